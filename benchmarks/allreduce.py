@@ -1,0 +1,132 @@
+"""All-reduce benchmark: shoal's own backend beside torch.distributed's gloo, in the same processes.
+
+    python benchmarks/allreduce.py                 # world sizes 2 and 4, 4 KiB .. 64 MiB
+    python benchmarks/allreduce.py --quick         # world size 2, fewer repetitions
+    shoal bench allreduce --markdown docs/x.md     # same, also writing a markdown table
+
+For each float32 size it reports the median time of one all-reduce, algbw = bytes / time and
+busbw = algbw * 2(n-1)/n (the traffic each link carries in a ring, as nccl-tests define it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import queue
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from functools import partial
+
+SIZES = {"4KiB": 4 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _time_ops(op, barrier, nbytes: int, repeats: int) -> float:
+    """Median seconds per op over `repeats` batches of back-to-back ops (batches sized to ~0.2 s)."""
+    per_batch = max(1, min(100, int(0.2 / max(nbytes / 1e9, 1e-4))))
+    for _ in range(2):
+        op()
+    samples = []
+    for _ in range(repeats):
+        barrier()
+        start = time.perf_counter()
+        for _ in range(per_batch):
+            op()
+        samples.append((time.perf_counter() - start) / per_batch)
+    return statistics.median(samples)
+
+
+def _worker(rank: int, world_size: int, ports: tuple[int, int], sizes: list[str], repeats: int, results) -> None:
+    import torch
+    import torch.distributed as tdist
+
+    import shoal.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("shoal", f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120))
+    tdist.init_process_group("gloo", f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=world_size,
+                             timeout=timedelta(seconds=120))
+    rows = []
+    for label in sizes:
+        nbytes = SIZES[label]
+        tensor = torch.ones(nbytes // 4)
+        times = {}
+        for name, op, barrier in (("shoal", partial(dist.all_reduce, tensor), dist.barrier),
+                                  ("gloo", partial(tdist.all_reduce, tensor), tdist.barrier)):
+            seconds = torch.tensor([_time_ops(op, barrier, nbytes, repeats)], dtype=torch.float64)
+            tdist.all_reduce(seconds, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
+            times[name] = seconds.item()
+        rows.append((label, nbytes, times))
+    if rank == 0:
+        results.put(rows)
+    tdist.destroy_process_group()
+    dist.destroy_process_group()
+
+
+def run(world_size: int, sizes: list[str], repeats: int) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ports = (_free_port(), _free_port())
+    procs = [ctx.Process(target=_worker, args=(r, world_size, ports, sizes, repeats, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        while True:
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:
+                    code = procs[failed[0]].exitcode
+                    raise RuntimeError(f"benchmark rank {failed[0]} exited with code {code}") from None
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def table(world_size: int, rows: list) -> list[str]:
+    factor = 2 * (world_size - 1) / world_size
+    lines = ["| n | size | shoal time | gloo time | shoal busbw | gloo busbw | busbw ratio shoal/gloo |",
+             "|---|---|---|---|---|---|---|"]
+    for label, nbytes, t in rows:
+        bus = {k: nbytes / v * factor / 1e9 for k, v in t.items()}
+        lines.append(f"| {world_size} | {label} | {t['shoal'] * 1e6:,.0f} us | {t['gloo'] * 1e6:,.0f} us | "
+                     f"{bus['shoal']:.2f} GB/s | {bus['gloo']:.2f} GB/s | {bus['shoal'] / bus['gloo']:.2f}x |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--repeats", type=int, default=7, help="timed batches per size (median taken)")
+    parser.add_argument("--quick", action="store_true", help="world size 2 and 3 repeats")
+    parser.add_argument("--markdown", help="also append the table to this file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.world_sizes, args.repeats = [2], 3
+    lines = []
+    for world_size in args.world_sizes:
+        lines += table(world_size, run(world_size, args.sizes, args.repeats))
+        if world_size != args.world_sizes[-1]:
+            lines.append("")
+    print("\n".join(lines))
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

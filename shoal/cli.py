@@ -1,0 +1,36 @@
+"""The `shoal` command. `shoal bench NAME [ARGS...]` runs a side-by-side benchmark from benchmarks/."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = ("allreduce",)
+
+
+def _bench(name: str, args: list[str]) -> None:
+    if not (_REPO / "benchmarks" / f"{name}.py").exists():
+        raise SystemExit(f"benchmark {name!r} is not in {_REPO / 'benchmarks'}; benchmarks ship with the "
+                         f"source checkout (pip install -e .)")
+    # Imported as a package module, not run as a path, so that spawned ranks can import it too.
+    sys.path.insert(0, str(_REPO))
+    importlib.import_module(f"benchmarks.{name}").main(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="shoal", description="shoal: distributed training for PyTorch")
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="run a benchmark beside PyTorch's own component",
+                                description="Run benchmarks/NAME.py; arguments after NAME go to it.")
+    bench.add_argument("name", choices=BENCHMARKS)
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see NAME --help)")
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        _bench(args.name, args.args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""shoal's communication library: process groups, collectives and point-to-point over our own
+transport (backend "shoal") or torch.distributed (backends "gloo" and "nccl")."""
+
+from shoal.comm.api import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    barrier,
+    broadcast,
+    destroy_process_group,
+    gather,
+    get_backend,
+    get_rank,
+    get_world_size,
+    init_process_group,
+    irecv,
+    is_initialized,
+    isend,
+    new_group,
+    recv,
+    reduce,
+    reduce_scatter,
+    scatter,
+    send,
+)
+from shoal.comm.group import ProcessGroup
+from shoal.comm.reduce_op import ReduceOp
+from shoal.comm.work import Work
+
+__all__ = [
+    "ProcessGroup", "ReduceOp", "Work", "all_gather", "all_reduce", "all_to_all", "barrier", "broadcast",
+    "destroy_process_group", "gather", "get_backend", "get_rank", "get_world_size", "init_process_group",
+    "irecv", "is_initialized", "isend", "new_group", "recv", "reduce", "reduce_scatter", "scatter", "send",
+]

@@ -1,0 +1,179 @@
+"""torch.distributed-style module functions over a default process group (`import shoal.distributed as dist`).
+
+Names and argument order follow torch.distributed, so a script moves over by changing its import.
+Ranks in `src`/`dst` arguments are global ranks, even with a subgroup, as in torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+
+from shoal.comm import rendezvous
+from shoal.comm.c10d import C10dProcessGroup
+from shoal.comm.group import DEFAULT_TIMEOUT, ProcessGroup
+from shoal.comm.native import ShoalProcessGroup
+from shoal.comm.reduce_op import ReduceOp
+from shoal.comm.store import Store
+from shoal.comm.work import Work
+
+# How each backend builds its world group from a joined store: (store, rank, world_size, timeout, host).
+BACKENDS: dict[str, Callable[[Store, int, int, timedelta, str], ProcessGroup]] = {
+    "shoal": ShoalProcessGroup.create,
+    "gloo": lambda store, rank, size, timeout, host: C10dProcessGroup.create("gloo", store, rank, size, timeout),
+    "nccl": lambda store, rank, size, timeout, host: C10dProcessGroup.create("nccl", store, rank, size, timeout),
+}
+
+_world: ProcessGroup | None = None
+_subgroups: list[ProcessGroup] = []
+
+
+def _timeout_from_env(default: timedelta) -> timedelta:
+    seconds = os.environ.get("SHOAL_TIMEOUT_S")
+    return timedelta(seconds=float(seconds)) if seconds else default
+
+
+def init_process_group(backend: str = "shoal", init_method: str = "env://", rank: int | None = None,
+                       world_size: int | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Join the job: rendezvous through the store at `init_method`, then connect the ranks.
+
+    `timeout` bounds the rendezvous and every later operation (SHOAL_TIMEOUT_S overrides it).
+    """
+    global _world
+    if _world is not None:
+        raise RuntimeError("the default process group is already initialized; call destroy_process_group() first")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
+    timeout = _timeout_from_env(timeout)
+    endpoint = rendezvous.resolve(init_method, rank, world_size)
+    store = rendezvous.join(endpoint, timeout)
+    _world = BACKENDS[backend](store, endpoint.rank, endpoint.world_size, timeout, endpoint.host)
+    _world.store = store
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Destroy one subgroup, or (no argument) every group of this process."""
+    global _world
+    if group is not None and group is not _world:
+        group.shutdown()
+        if group in _subgroups:
+            _subgroups.remove(group)
+        return
+    for sub in _subgroups:
+        sub.shutdown()
+    _subgroups.clear()
+    if _world is not None:
+        world, _world = _world, None
+        world.shutdown()
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def _group(group: ProcessGroup | None) -> ProcessGroup:
+    if group is not None:
+        return group
+    if _world is None:
+        raise RuntimeError("the default process group is not initialized; call shoal.distributed."
+                           "init_process_group() first")
+    return _world
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    return _group(group).rank
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    return _group(group).size
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    return _group(group).backend
+
+
+def new_group(ranks: list[int] | None = None) -> ProcessGroup | None:
+    """A subgroup of the given global ranks (sorted, as torch does). Every rank of the job must call
+    it, in the same order; ranks outside the subgroup get None."""
+    world = _group(None)
+    members = sorted(set(range(world.size) if ranks is None else ranks))
+    if ranks is not None and len(members) != len(ranks):
+        raise ValueError(f"new_group: ranks {ranks} contain duplicates")
+    if not members or members[0] < 0 or members[-1] >= world.size:
+        raise ValueError(f"new_group: ranks {ranks} must be non-empty and within 0..{world.size - 1}")
+    group = world.new_subgroup(members)
+    if group is not None:
+        _subgroups.append(group)
+    return group
+
+
+def _finish(work: Work, async_op: bool) -> Work | None:
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:
+    return _finish(_group(group).all_reduce(tensor, op, async_op=async_op), async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
+              async_op: bool = False) -> Work | None:
+    return _finish(_group(group).broadcast(tensor, src, async_op=async_op), async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+           async_op: bool = False) -> Work | None:
+    return _finish(_group(group).reduce(tensor, dst, op, async_op=async_op), async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup | None = None,
+               async_op: bool = False) -> Work | None:
+    return _finish(_group(group).all_gather(tensor_list, tensor, async_op=async_op), async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
+           group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    return _finish(_group(group).gather(tensor, gather_list, dst, async_op=async_op), async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
+            group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    return _finish(_group(group).scatter(tensor, scatter_list, src, async_op=async_op), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
+                   group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    return _finish(_group(group).reduce_scatter(output, input_list, op, async_op=async_op), async_op)
+
+
+def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
+               group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    return _finish(_group(group).all_to_all(output_tensor_list, input_tensor_list, async_op=async_op), async_op)
+
+
+def barrier(group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    return _finish(_group(group).barrier(async_op=async_op), async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> None:
+    _group(group).send(tensor, dst, tag, async_op=False).wait()
+
+
+def recv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0) -> int:
+    """Receive into `tensor` from `src`; returns `src`, as torch's recv returns the sender."""
+    _group(group).recv(tensor, src, tag, async_op=False).wait()
+    return src
+
+
+def isend(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
+    return _group(group).send(tensor, dst, tag)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0) -> Work:
+    return _group(group).recv(tensor, src, tag)

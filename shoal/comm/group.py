@@ -1,0 +1,179 @@
+"""ProcessGroup: the collective and point-to-point API every backend offers, with the argument
+checks they share. Backends implement the `_start_*` methods; every op returns a `Work`."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+
+from shoal.comm.reduce_op import ReduceOp
+from shoal.comm.work import Work
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+class ProcessGroup(abc.ABC):
+    """A set of ranks that run collectives together. `ranks` are global ranks; `rank` is ours within."""
+
+    backend: str = ""
+    store: object | None = None  # the rendezvous store, kept alive (rank 0 serves it) with the group
+
+    def __init__(self, ranks: Sequence[int], global_rank: int, timeout: timedelta) -> None:
+        self.ranks = tuple(ranks)
+        self.rank = self.ranks.index(global_rank)
+        self.size = len(self.ranks)
+        self.timeout = timeout
+
+    def group_rank(self, global_rank: int, role: str) -> int:
+        """Translate a global rank (as torch.distributed's src/dst arguments are) into ours."""
+        if global_rank not in self.ranks:
+            raise ValueError(f"{role}={global_rank} is not a member of this group (ranks {list(self.ranks)})")
+        return self.ranks.index(global_rank)
+
+    # ---- public operations: check arguments, then let the backend start the op ----------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = True) -> Work:
+        _check_tensor(tensor, "all_reduce")
+        return self._start_all_reduce(tensor, _check_op(op), blocking=not async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = True) -> Work:
+        _check_tensor(tensor, "broadcast")
+        return self._start_broadcast(tensor, self.group_rank(src, "src"), blocking=not async_op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = True) -> Work:
+        _check_tensor(tensor, "reduce")
+        return self._start_reduce(tensor, self.group_rank(dst, "dst"), _check_op(op), blocking=not async_op)
+
+    def all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor, *, async_op: bool = True) -> Work:
+        _check_tensor(tensor, "all_gather")
+        self._check_list(outs, "all_gather", "tensor_list", like=tensor)
+        return self._start_all_gather(outs, tensor, blocking=not async_op)
+
+    def gather(self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, *, async_op: bool = True) -> Work:
+        _check_tensor(tensor, "gather")
+        dst = self.group_rank(dst, "dst")
+        if self.rank == dst:
+            self._check_list(outs, "gather", "gather_list", like=tensor)
+        return self._start_gather(tensor, outs if self.rank == dst else None, dst, blocking=not async_op)
+
+    def scatter(self, tensor: torch.Tensor, ins: list[torch.Tensor] | None, src: int, *, async_op: bool = True) -> Work:
+        _check_tensor(tensor, "scatter")
+        src = self.group_rank(src, "src")
+        if self.rank == src:
+            self._check_list(ins, "scatter", "scatter_list", like=tensor)
+        return self._start_scatter(tensor, ins if self.rank == src else None, src, blocking=not async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
+                       async_op: bool = True) -> Work:
+        _check_tensor(out, "reduce_scatter")
+        self._check_list(ins, "reduce_scatter", "input_list", like=out)
+        return self._start_reduce_scatter(out, ins, _check_op(op), blocking=not async_op)
+
+    def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], *, async_op: bool = True) -> Work:
+        self._check_list(outs, "all_to_all", "output_tensor_list")
+        self._check_list(ins, "all_to_all", "input_tensor_list")
+        for i, (o, t) in enumerate(zip(outs, ins, strict=False)):
+            if o.dtype != t.dtype:
+                raise TypeError(f"all_to_all: output_tensor_list[{i}] is {o.dtype} but input_tensor_list[{i}] "
+                                f"is {t.dtype}; all tensors must share one dtype")
+        return self._start_all_to_all(outs, ins, blocking=not async_op)
+
+    def barrier(self, *, async_op: bool = True) -> Work:
+        return self._start_barrier(blocking=not async_op)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, async_op: bool = True) -> Work:
+        _check_tensor(tensor, "send")
+        return self._start_send(tensor, self._peer(dst, "dst"), _check_tag(tag), blocking=not async_op)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, *, async_op: bool = True) -> Work:
+        _check_tensor(tensor, "recv")
+        return self._start_recv(tensor, self._peer(src, "src"), _check_tag(tag), blocking=not async_op)
+
+    def _peer(self, global_rank: int | None, role: str) -> int:
+        if global_rank is None:
+            raise ValueError(f"{role} must be given: receiving from any source is not supported")
+        peer = self.group_rank(global_rank, role)
+        if peer == self.rank:
+            raise ValueError(f"{role}={global_rank} is this rank itself; point-to-point needs another rank")
+        return peer
+
+    def _check_list(self, tensors: list[torch.Tensor] | None, fn: str, what: str,
+                    like: torch.Tensor | None = None) -> None:
+        if tensors is None or len(tensors) != self.size:
+            got = "None" if tensors is None else f"{len(tensors)} tensors"
+            raise ValueError(f"{fn}: {what} must hold one tensor per rank ({self.size}), got {got}")
+        for i, t in enumerate(tensors):
+            _check_tensor(t, f"{fn} {what}[{i}]")
+            if like is not None and (t.numel() != like.numel() or t.dtype != like.dtype):
+                raise ValueError(f"{fn}: {what}[{i}] is {t.dtype}{list(t.shape)} but the tensor is "
+                                 f"{like.dtype}{list(like.shape)}; they must match in dtype and size")
+
+    # ---- what a backend provides (`blocking`: the caller waits at once, so it may run inline) --
+
+    @abc.abstractmethod
+    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def _start_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def _start_reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def _start_all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor, blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def _start_gather(self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int,
+                      blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def _start_scatter(self, tensor: torch.Tensor, ins: list[torch.Tensor] | None, src: int,
+                       blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def _start_reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp,
+                              blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def _start_all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def _start_barrier(self, blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def new_subgroup(self, ranks: Sequence[int]) -> ProcessGroup | None:
+        """A group of the given global ranks; every rank of this group must call it, in the same order.
+        Returns None on ranks outside `ranks`."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Finish queued work and release connections."""
+
+
+def _check_tensor(tensor: object, fn: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{fn}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise TypeError(f"{fn}: sparse tensors are not supported; call .to_dense() first")
+
+
+def _check_op(op: object) -> ReduceOp:
+    try:
+        return ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"unknown reduce op {op!r}; use one of {[o.name for o in ReduceOp]}") from None
+
+
+def _check_tag(tag: int) -> int:
+    if not isinstance(tag, int) or tag < 0:
+        raise ValueError(f"tag must be a non-negative int, got {tag!r}")
+    return tag

@@ -1,0 +1,279 @@
+"""The "shoal" backend: a ProcessGroup over our own transport and ring algorithms.
+
+Operations of a group are numbered in issue order and run one after another on the group's
+queue; every frame carries (group, sequence number, signature), so ranks that call different
+collectives, or pass tensors of different sizes or dtypes, are told so instead of hanging.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+
+from shoal.comm import ring
+from shoal.comm.group import ProcessGroup
+from shoal.comm.reduce_op import ReduceOp
+from shoal.comm.rendezvous import job_secret, local_address_towards
+from shoal.comm.store import Store
+from shoal.comm.transport import Op, Recv, SendTracker, Signature, Transport
+from shoal.comm.work import OpQueue, Work
+from shoal.errors import CollectiveMismatchError, GroupBrokenError
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
+        "all_to_all", "barrier", "send/recv"]
+_REDUCING = {"all_reduce", "reduce", "reduce_scatter"}
+_ROOTED = {"broadcast", "reduce", "gather", "scatter"}
+
+
+def describe(sig: Signature) -> str:
+    """Human-readable form of a frame signature, for mismatch errors."""
+    opcode, dtype, redop, root, numel = sig
+    name = _OPS[opcode] if opcode < len(_OPS) else f"op#{opcode}"
+    parts = [str(_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_DTYPES) else f"dtype#{dtype}",
+             f"numel={numel}"]
+    if name in _REDUCING:
+        parts.append(f"op={ReduceOp(redop).name}")
+    if name in _ROOTED:
+        parts.append(f"root={root}")
+    return f"{name}({', '.join(parts)})"
+
+
+def _staged(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A flat contiguous CPU tensor to communicate through, and how to copy results back.
+
+    Contiguous CPU tensors are used in place (zero-copy); others go through one staging copy.
+    """
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor.view(-1), lambda: None
+    flat = tensor.detach().to("cpu", copy=True).contiguous().view(-1)
+    return flat, lambda: tensor.copy_(flat.view(tensor.shape))
+
+
+class _OpChannel:
+    """The `ring.Channel` of one operation: group ranks in, global ranks and frame keys out."""
+
+    def __init__(self, group: ShoalProcessGroup, op: Op) -> None:
+        self.rank, self.size = group.rank, group.size
+        self._group, self._op = group, op
+        self._transport = group.transport
+        self._tracker = SendTracker()
+
+    def recv(self, src: int, sub: int, view: memoryview, process: Callable[[], None] | None = None) -> Recv:
+        return self._transport.post_recv(self._op, self._group.ranks[src], sub, view, process=process)
+
+    def wait(self, handle: Recv) -> None:
+        self._transport.wait(handle)
+
+    def send(self, dst: int, sub: int, view: memoryview) -> None:
+        self._transport.send(self._op, self._group.ranks[dst], sub, view, self._tracker)
+
+    def flush(self) -> None:
+        self._tracker.wait(self._op.deadline, self._op.name)
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        return self._group.scratch(nbytes)
+
+
+class ShoalProcessGroup(ProcessGroup):
+    backend = "shoal"
+
+    def __init__(self, transport: Transport, ranks: Sequence[int], group_id: int, timeout: timedelta,
+                 group_ids: Callable[[], int], *, owns_transport: bool = False) -> None:
+        super().__init__(ranks, transport.rank, timeout)
+        self.transport = transport
+        self._group_id = group_id
+        self._next_group_id = group_ids
+        self._seq = itertools.count()
+        self._sent = defaultdict(itertools.count)  # (dst, tag) -> next p2p sequence number
+        self._received = defaultdict(itertools.count)  # (src, tag) -> next p2p sequence number
+        self._queue = OpQueue(f"shoal-group-{group_id}")
+        self._issue = threading.Lock()  # sequence numbers and queue order must agree
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._broken: BaseException | None = None
+        self._owns_transport = owns_transport
+
+    @classmethod
+    def create(cls, store: Store, rank: int, world_size: int, timeout: timedelta,
+               master_host: str) -> ShoalProcessGroup:
+        """The world group: listen, publish our address, and connect to every other rank."""
+        host = local_address_towards(master_host)
+        secret, session = job_secret(store, rank, host, timeout)
+        transport = Transport(rank, world_size, secret=secret, session=session, host=host)
+        try:
+            store.set(f"transport/{rank}", list(transport.address))
+            addresses = {r: store.get(f"transport/{r}", timeout=timeout) for r in range(rank)}
+            transport.connect_mesh(addresses, timeout)
+        except BaseException:
+            transport.close()
+            raise
+        group_ids = itertools.count(1)
+        return cls(transport, range(world_size), 0, timeout, lambda: next(group_ids), owns_transport=True)
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """Reusable staging memory; ops run one at a time, so one buffer serves them all."""
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes]
+
+    # ---- collectives -------------------------------------------------------------------------
+
+    def _collective(self, name: str, tensor: torch.Tensor | None, body: Callable[[_OpChannel], None], *,
+                    redop: int = 0, root: int = 0, numel: int | None = None,
+                    finish: Callable[[], None] = lambda: None, blocking: bool = False) -> Work:
+        dtype = _DTYPE_CODE[_dtype_of(tensor, name)] if tensor is not None else 0
+        count = numel if numel is not None else (tensor.numel() if tensor is not None else 0)
+        sig = (_OPS.index(name), dtype, int(redop), root, count)
+        work = Work(name, self.timeout)
+
+        def run() -> None:
+            op = Op(self._group_id, -1, seq, sig, self.ranks, self.timeout, name, describe)
+            if self._broken is not None:
+                work.finish(GroupBrokenError(f"{name}: this group failed earlier ({self._broken}); "
+                                             f"destroy it and create a new one"))
+                return
+            try:
+                self.transport.begin(op)
+                channel = _OpChannel(self, op)
+                body(channel)
+                channel.flush()
+                finish()
+                work.finish()
+            except CollectiveMismatchError as exc:
+                work.finish(exc)  # every rank aborted this op alike, so the group stays usable
+            except Exception as exc:
+                self._broken = exc
+                work.finish(exc)
+            finally:
+                self.transport.end(op)
+
+        with self._issue:
+            seq = next(self._seq)
+            self._queue.submit(run, inline_if_idle=blocking)
+        return work
+
+    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Work:
+        flat, back = _staged(tensor)
+        return self._collective("all_reduce", flat, lambda ch: ring.all_reduce(ch, flat, op),
+                                redop=op, finish=back, blocking=blocking)
+
+    def _start_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool) -> Work:
+        flat, back = _staged(tensor)
+        return self._collective("broadcast", flat, lambda ch: ring.broadcast(ch, flat, src), root=src,
+                                finish=back, blocking=blocking)
+
+    def _start_reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, blocking: bool) -> Work:
+        flat, back = _staged(tensor)
+        return self._collective("reduce", flat, lambda ch: ring.reduce(ch, flat, op, dst), redop=op,
+                                root=dst, finish=back if self.rank == dst else lambda: None, blocking=blocking)
+
+    def _start_all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor, blocking: bool) -> Work:
+        mine, _ = _staged(tensor)
+        staged = [_staged(t) for t in outs]
+        flats = [f for f, _ in staged]
+        return self._collective("all_gather", mine, lambda ch: ring.all_gather(ch, flats, mine),
+                                finish=_all(back for _, back in staged), blocking=blocking)
+
+    def _start_gather(self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, blocking: bool) -> Work:
+        mine, _ = _staged(tensor)
+        staged = [_staged(t) for t in outs] if outs is not None else []
+        flats = [f for f, _ in staged] if outs is not None else None
+        return self._collective("gather", mine, lambda ch: ring.gather(ch, flats, mine, dst), root=dst,
+                                finish=_all(back for _, back in staged), blocking=blocking)
+
+    def _start_scatter(self, tensor: torch.Tensor, ins: list[torch.Tensor] | None, src: int, blocking: bool) -> Work:
+        out, back = _staged(tensor)
+        blocks = [_staged(t)[0] for t in ins] if ins is not None else None
+        return self._collective("scatter", out, lambda ch: ring.scatter(ch, out, blocks, src), root=src,
+                                finish=back, blocking=blocking)
+
+    def _start_reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
+        flat, back = _staged(out)
+        blocks = [_staged(t)[0] for t in ins]
+        return self._collective("reduce_scatter", flat, lambda ch: ring.reduce_scatter(ch, flat, blocks, op),
+                                redop=op, finish=back, blocking=blocking)
+
+    def _start_all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], blocking: bool) -> Work:
+        staged = [_staged(t) for t in outs]
+        flats = [f for f, _ in staged]
+        blocks = [_staged(t)[0] for t in ins]
+        # Sizes may differ per pair of ranks, so the signature carries none; each frame's length is checked.
+        return self._collective("all_to_all", blocks[0], lambda ch: ring.all_to_all(ch, flats, blocks),
+                                numel=0, finish=_all(back for _, back in staged), blocking=blocking)
+
+    def _start_barrier(self, blocking: bool) -> Work:
+        return self._collective("barrier", None, ring.barrier, blocking=blocking)
+
+    # ---- point to point ----------------------------------------------------------------------
+
+    def _p2p_op(self, peer: int, tag: int, seq: int, tensor: torch.Tensor, name: str) -> Op:
+        sig = (_OPS.index("send/recv"), _DTYPE_CODE[_dtype_of(tensor, name)], 0, 0, tensor.numel())
+        return Op(self._group_id, tag, seq, sig, (self.ranks[peer],), self.timeout, name, describe)
+
+    def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work:
+        flat, _ = _staged(tensor)
+        work = Work(f"send to rank {self.ranks[dst]}", self.timeout)
+
+        def start() -> None:
+            try:
+                tracker = SendTracker(on_done=work.finish)
+                self.transport.send(op, self.ranks[dst], 0, ring.as_bytes(flat), tracker)
+            except Exception as exc:
+                work.finish(exc)
+
+        with self._issue:
+            op = self._p2p_op(dst, tag, next(self._sent[(dst, tag)]), flat, "send")
+            self._queue.submit(start, inline_if_idle=True)
+        return work
+
+    def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work:
+        flat, back = _staged(tensor)
+        work = Work(f"recv from rank {self.ranks[src]}", self.timeout)
+
+        def landed(recv: Recv) -> None:
+            if recv.error is None:
+                back()
+            work.finish(recv.error)
+
+        def start() -> None:
+            try:
+                self.transport.post_recv(op, self.ranks[src], 0, ring.as_bytes(flat), on_done=landed)
+            except Exception as exc:
+                work.finish(exc)
+
+        with self._issue:
+            op = self._p2p_op(src, tag, next(self._received[(src, tag)]), flat, "recv")
+            self._queue.submit(start, inline_if_idle=True)
+        return work
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def new_subgroup(self, ranks: Sequence[int]) -> ShoalProcessGroup | None:
+        group_id = self._next_group_id()  # drawn on every rank, members or not, to stay in step
+        if self.transport.rank not in ranks:
+            return None
+        return ShoalProcessGroup(self.transport, ranks, group_id, self.timeout, self._next_group_id)
+
+    def shutdown(self) -> None:
+        self._queue.close(self.timeout)
+        if self._owns_transport:
+            self.transport.close()
+
+
+def _dtype_of(tensor: torch.Tensor, name: str) -> torch.dtype:
+    if tensor.dtype not in _DTYPE_CODE:
+        raise TypeError(f"{name}: dtype {tensor.dtype} is not supported by the shoal backend "
+                        f"(supported: {[str(d) for d in _DTYPES]})")
+    return tensor.dtype
+
+
+def _all(callbacks) -> Callable[[], None]:
+    callbacks = list(callbacks)
+    return lambda: [cb() for cb in callbacks]

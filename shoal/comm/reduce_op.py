@@ -1,0 +1,41 @@
+"""Reduction operators for collectives, applied in place with torch ops on whole tensors."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class ReduceOp(enum.IntEnum):
+    """Same names as `torch.distributed.ReduceOp`."""
+
+    SUM = 0
+    AVG = 1
+    PRODUCT = 2
+    MIN = 3
+    MAX = 4
+
+
+def combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
+    """acc <- acc (op) other, elementwise and in place (AVG sums; `finish_` divides once at the end)."""
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        acc.add_(other)
+    elif op == ReduceOp.PRODUCT:
+        acc.mul_(other)
+    elif op == ReduceOp.MIN:
+        torch.minimum(acc, other, out=acc)
+    elif op == ReduceOp.MAX:
+        torch.maximum(acc, other, out=acc)
+    else:
+        raise ValueError(f"unknown reduce op {op!r}")
+
+
+def finish_(acc: torch.Tensor, op: ReduceOp, world_size: int) -> None:
+    """Turn a sum into a mean for AVG; integers round toward zero, as NCCL's integer AVG does."""
+    if op != ReduceOp.AVG or world_size == 1:
+        return
+    if acc.is_floating_point() or acc.is_complex():
+        acc.div_(world_size)
+    else:
+        acc.div_(world_size, rounding_mode="trunc")

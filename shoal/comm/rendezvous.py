@@ -1,0 +1,110 @@
+"""Rendezvous: turn `init_method`, rank and world size into a shared store every rank has joined,
+checking that the ranks agree on the world size and that no rank is claimed twice."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from urllib.parse import urlparse
+
+from shoal.comm.auth import is_loopback
+from shoal.comm.store import Store
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+    rank: int
+    world_size: int
+
+
+def resolve(init_method: str, rank: int | None, world_size: int | None) -> Endpoint:
+    """Read the store address and this rank's place from `env://` variables or a `tcp://` URL."""
+    url = urlparse(init_method)
+    if url.scheme == "env":
+        host = _env("MASTER_ADDR")
+        port = int(_env("MASTER_PORT"))
+        rank = int(_env("RANK")) if rank is None else rank
+        world_size = int(_env("WORLD_SIZE")) if world_size is None else world_size
+    elif url.scheme == "tcp":
+        if not url.hostname or not url.port:
+            raise ValueError(f"init_method {init_method!r} must look like tcp://host:port")
+        host, port = url.hostname, url.port
+        if rank is None or world_size is None:
+            raise ValueError("init_method tcp://... needs rank= and world_size= arguments")
+    else:
+        raise ValueError(f"unsupported init_method {init_method!r}; use env:// or tcp://host:port")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
+    return Endpoint(host, port, rank, world_size)
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"init_method env:// needs the environment variable {name} (the launcher "
+                         f"`shoal run` sets it), or pass it as an argument")
+    return value
+
+
+def join(endpoint: Endpoint, timeout: timedelta) -> Store:
+    """Connect to the store (rank 0 serves it) and register; every rank leaves having seen all others."""
+    store = Store.connect(endpoint.host, endpoint.port, world_size=endpoint.world_size,
+                          is_server=endpoint.rank == 0, timeout=timeout, prefix="shoal/")
+    if store.add(f"claims/{endpoint.rank}", 1) > 1:
+        raise ValueError(f"rank {endpoint.rank} was claimed by two processes; every process needs its "
+                         f"own RANK")
+    store.set(f"joined/{endpoint.rank}", endpoint.world_size)
+    first = store.get("joined/0", timeout=timeout)
+    if first != endpoint.world_size:
+        raise ValueError(f"world size mismatch: rank 0 has world_size={first} but rank {endpoint.rank} "
+                         f"has world_size={endpoint.world_size}")
+    keys = [f"joined/{r}" for r in range(endpoint.world_size)]
+    try:
+        store.wait(keys, timeout=timeout)
+    except TimeoutError:
+        missing = [r for r in range(endpoint.world_size) if not store.raw.check([store.prefix + keys[r]])]
+        raise TimeoutError(f"rank {endpoint.rank}: ranks {missing} did not join within "
+                           f"{timeout.total_seconds():g}s (world_size={endpoint.world_size})") from None
+    for r in range(1, endpoint.world_size):
+        theirs = store.get(f"joined/{r}", timeout=timeout)
+        if theirs != endpoint.world_size:
+            raise ValueError(f"world size mismatch: rank {endpoint.rank} has world_size={endpoint.world_size} "
+                             f"but rank {r} has world_size={theirs}")
+    return store
+
+
+def local_address_towards(host: str) -> str:
+    """The address of the interface this machine uses to reach `host` (no packet is sent)."""
+    if is_loopback(host):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), 9))
+        return probe.getsockname()[0]
+
+
+def job_secret(store: Store, rank: int, bind_host: str, timeout: timedelta) -> tuple[bytes, bytes]:
+    """The job secret (SHOAL_SECRET) and a per-group session id that binds handshakes to this group.
+
+    Without SHOAL_SECRET, a group confined to loopback draws a secret through the store (only local
+    processes can reach it); a group on a real network refuses to start rather than run unauthenticated.
+    """
+    if rank == 0:
+        store.set("session", secrets.token_hex(16))
+    session = store.get("session", timeout=timeout).encode()
+    secret = os.environ.get("SHOAL_SECRET")
+    if secret:
+        return secret.encode(), session
+    if not is_loopback(bind_host):
+        raise ValueError(f"SHOAL_SECRET is not set and this process group would listen on {bind_host}, "
+                         f"which is not loopback; set SHOAL_SECRET to the same random string on every "
+                         f"rank (`shoal run` does this for you)")
+    if rank == 0:
+        store.set("loopback-secret", secrets.token_hex(32))
+    return store.get("loopback-secret", timeout=timeout).encode(), session

@@ -1,0 +1,103 @@
+"""Rendezvous key-value store: torch's TCPStore, holding JSON values only (never pickle)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as tdist
+
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+class Store:
+    """JSON view over a `torch.distributed.TCPStore`, with every key under one prefix.
+
+    The prefix scopes a job attempt (or a process group) so that keys left by an earlier
+    attempt on the same server are never read by a later one.
+    """
+
+    def __init__(self, tcp_store: tdist.Store, prefix: str = "") -> None:
+        self.raw = tcp_store
+        self.prefix = prefix
+
+    @classmethod
+    def connect(
+        cls,
+        host: str,
+        port: int,
+        *,
+        world_size: int,
+        is_server: bool,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        prefix: str = "",
+    ) -> Store:
+        """Start the store server (rank 0) or connect to it, failing clearly within `timeout`."""
+        if is_server:
+            try:
+                tcp = tdist.TCPStore(host, port, world_size, True, timeout=timeout,
+                                     wait_for_workers=False)
+            except RuntimeError as exc:
+                if "EADDRINUSE" in str(exc) or "already in use" in str(exc):
+                    raise OSError(
+                        f"rendezvous port {host}:{port} is already in use; pick another "
+                        f"MASTER_PORT or stop the process holding it"
+                    ) from None
+                raise
+        else:
+            # TCPStore retries for up to three times its timeout; probe first so an
+            # unreachable endpoint is reported once, within the caller's deadline.
+            _wait_until_reachable(host, port, timeout)
+            tcp = tdist.TCPStore(host, port, world_size, False, timeout=timeout)
+        return cls(tcp, prefix)
+
+    def scoped(self, suffix: str) -> Store:
+        """A view of the same server whose keys live under `prefix + suffix + "/"`."""
+        return Store(self.raw, f"{self.prefix}{suffix}/")
+
+    @property
+    def port(self) -> int:
+        return self.raw.port
+
+    def set(self, key: str, value: Any) -> None:
+        self.raw.set(self.prefix + key, json.dumps(value).encode())
+
+    def get(self, key: str, *, timeout: timedelta = DEFAULT_TIMEOUT) -> Any:
+        """The value under `key`, waiting for it to appear; TimeoutError after `timeout`."""
+        self.wait([key], timeout=timeout)
+        return json.loads(self.raw.get(self.prefix + key).decode())
+
+    def wait(self, keys: list[str], *, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        full = [self.prefix + k for k in keys]
+        try:
+            self.raw.wait(full, timeout)
+        except RuntimeError as exc:
+            if "timeout" in str(exc).lower():
+                raise TimeoutError(
+                    f"rendezvous keys {keys} did not appear within {timeout.total_seconds():g}s"
+                ) from None
+            raise
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.raw.add(self.prefix + key, amount))
+
+
+def _wait_until_reachable(host: str, port: int, timeout: timedelta) -> None:
+    deadline = time.monotonic() + timeout.total_seconds()
+    delay = 0.01
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() + delay >= deadline:
+                raise TimeoutError(
+                    f"rendezvous store at {host}:{port} is unreachable after "
+                    f"{timeout.total_seconds():g}s ({exc}); check MASTER_ADDR/MASTER_PORT "
+                    f"and that rank 0 is running"
+                ) from None
+            time.sleep(delay)  # backoff between connection attempts, not a wait for a peer
+            delay = min(delay * 2, 0.5)

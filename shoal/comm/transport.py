@@ -1,0 +1,498 @@
+"""Authenticated peer-to-peer byte transport: one TCP connection per pair of ranks, frames received
+straight into buffers the receiver posted in advance (zero-copy), unexpected frames held aside."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from shoal.comm import auth
+from shoal.errors import CollectiveMismatchError, GroupBrokenError, PeerFailure
+
+log = logging.getLogger(__name__)
+
+# kind, dtype, op, reduce op, root, group, tag, seq, sub, numel, payload bytes
+_HEADER = struct.Struct("<BBBBiIqQIQQ")
+_DATA, _ABORT, _BYE = 1, 2, 3
+_MAX_ABORT_TEXT = 1 << 16
+_HANDSHAKE_TIMEOUT_S = 10.0
+_SOCKET_BUFFER = 4 << 20
+# Frames up to this size are written by the calling thread when nothing is queued for the peer:
+# a thread hand-off costs more than the copy. Reader threads never write inline (see `send`).
+_INLINE_BYTES = 64 << 10
+_on_reader_thread = threading.local()
+
+Signature = tuple[int, int, int, int, int]  # (op, dtype, reduce op, root, numel)
+
+
+class Op:
+    """One operation in flight: the identity frames carry, what every rank must agree on, who takes
+    part (global ranks) and when to give up."""
+
+    __slots__ = ("deadline", "describe", "group", "name", "ranks", "seq", "sig", "tag", "timeout")
+
+    def __init__(self, group: int, tag: int, seq: int, sig: Signature, ranks: tuple[int, ...],
+                 timeout: timedelta, name: str, describe: Callable[[Signature], str]) -> None:
+        self.group, self.tag, self.seq, self.sig, self.ranks = group, tag, seq, sig, ranks
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout.total_seconds()
+        self.name = name
+        self.describe = describe
+
+    @property
+    def ident(self) -> tuple[int, int, int]:
+        return (self.group, self.tag, self.seq)
+
+
+class Recv:
+    """A posted receive: the frame (src, op, sub) lands in `view`; `event` is set when it has.
+
+    `process` runs on the reader thread as soon as the frame is in, before `event` is set (the ring
+    algorithms reduce and forward there, so the pipeline advances without waking another thread);
+    `on_done` runs after, whatever the outcome.
+    """
+
+    __slots__ = ("error", "event", "on_done", "op", "process", "src", "sub", "view")
+
+    def __init__(self, op: Op, src: int, sub: int, view: memoryview,
+                 process: Callable[[], None] | None, on_done: Callable[[Recv], None] | None) -> None:
+        self.op, self.src, self.sub, self.view = op, src, sub, view
+        self.process, self.on_done = process, on_done
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if self.event.is_set():
+            return
+        if error is None and self.process is not None:
+            try:
+                self.process()
+            except Exception as exc:
+                error = exc
+        self.error = error
+        self.event.set()
+        if self.on_done is not None:
+            self.on_done(self)
+
+
+class SendTracker:
+    """Counts the frames of one operation still queued for sending; `on_done` runs when none are."""
+
+    def __init__(self, on_done: Callable[[BaseException | None], None] | None = None) -> None:
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._on_done = on_done
+
+    def add(self) -> None:
+        with self._cond:
+            self._pending += 1
+
+    def settle(self, error: BaseException | None) -> None:
+        with self._cond:
+            self._pending -= 1
+            self._error = self._error or error
+            finished = self._pending == 0
+            if finished:
+                self._cond.notify_all()
+        if finished and self._on_done is not None:
+            self._on_done(self._error)
+
+    def wait(self, deadline: float, what: str) -> None:
+        """Block until every frame is handed to the kernel; raise the first send error."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pending == 0,
+                                       timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"{what}: sends did not drain before the deadline")
+            if self._error is not None:
+                raise self._error
+
+
+class _Held:
+    """A frame that arrived before its receive was posted, kept until it is."""
+
+    __slots__ = ("complete", "data", "sig", "waiter")
+
+    def __init__(self, sig: Signature, nbytes: int) -> None:
+        self.sig = sig
+        self.data = bytearray(nbytes)
+        self.complete = False
+        self.waiter: Recv | None = None
+
+
+class _Peer:
+    def __init__(self, rank: int, sock: socket.socket) -> None:
+        self.rank = rank
+        self.sock = sock
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.queued = 0  # frames put in the outbox and not yet written; guarded by count_lock
+        self.count_lock = threading.Lock()
+        self.write_lock = threading.Lock()  # one writer at a time: the send thread or an inline sender
+
+    def enqueue(self, item: tuple) -> None:
+        with self.count_lock:
+            self.queued += 1
+        self.outbox.put(item)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        got = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        if got == 0:
+            raise ConnectionResetError("connection closed by peer")
+        view = view[got:]
+
+
+def _send_frame(sock: socket.socket, header: bytes, payload: memoryview) -> None:
+    sent = sock.sendmsg([header, payload])
+    while sent < len(header):
+        sent += sock.sendmsg([header[sent:], payload])
+    if sent - len(header) < len(payload):
+        sock.sendall(payload[sent - len(header):])
+
+
+class Transport:
+    """Full mesh of authenticated connections between the ranks of one job."""
+
+    def __init__(self, rank: int, world_size: int, *, secret: bytes, session: bytes, host: str) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._secret, self._session = secret, session
+        self._lock = threading.Lock()
+        self._peers: dict[int, _Peer] = {}
+        self._peers_changed = threading.Condition(self._lock)
+        self._posted: dict[tuple, Recv] = {}
+        self._held: dict[tuple, _Held] = {}
+        self._active: dict[tuple[int, int, int], Op] = {}
+        self._aborted: dict[tuple[int, int, int], BaseException] = {}
+        self._lost: dict[int, PeerFailure] = {}  # crashed: every op they take part in fails
+        self._departed: dict[int, PeerFailure] = {}  # said goodbye after their last frame
+        self._closed = False
+        self._listener = socket.create_server((host, 0), backlog=max(16, world_size))
+        self.address = self._listener.getsockname()[:2]
+        threading.Thread(target=self._accept_loop, name="shoal-accept", daemon=True).start()
+
+    # ---- connection set-up -------------------------------------------------------------------
+
+    def connect_mesh(self, addresses: dict[int, tuple[str, int]], timeout: timedelta) -> None:
+        """Connect to every lower rank and wait for every higher rank to connect to us."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        for peer in range(self.rank):
+            self._adopt(peer, self._dial(peer, tuple(addresses[peer]), deadline))
+        with self._lock:
+            missing = lambda: [r for r in range(self.rank + 1, self.world_size) if r not in self._peers]  # noqa: E731
+            if not self._peers_changed.wait_for(lambda: not missing(),
+                                                timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"rank {self.rank}: ranks {missing()} did not connect within "
+                                   f"{timeout.total_seconds():g}s")
+
+    def _dial(self, peer: int, address: tuple[str, int], deadline: float) -> socket.socket:
+        delay = 0.01
+        while True:
+            try:
+                sock = socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))
+                sock.settimeout(min(_HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
+                auth.client_handshake(sock, self._secret, self._session, my_rank=self.rank, peer_rank=peer)
+                return sock
+            except auth.AuthenticationError:
+                raise
+            except OSError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise TimeoutError(f"rank {self.rank} could not connect to rank {peer} at "
+                                       f"{address[0]}:{address[1]}: {exc}") from None
+                time.sleep(delay)  # retry backoff for a listener that is not accepting yet
+                delay = min(2 * delay, 0.5)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            threading.Thread(target=self._admit, args=(conn,), name="shoal-handshake", daemon=True).start()
+
+    def _admit(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(_HANDSHAKE_TIMEOUT_S)
+            peer = auth.server_handshake(conn, self._secret, self._session,
+                                         my_rank=self.rank, world_size=self.world_size)
+            if peer < self.rank:
+                raise auth.AuthenticationError(f"rank {peer} should be dialled, not dial in")
+            self._adopt(peer, conn)
+        except (OSError, struct.error, ValueError) as exc:
+            log.warning("rank %d rejected a connection: %s", self.rank, exc)
+            conn.close()
+
+    def _adopt(self, peer_rank: int, sock: socket.socket) -> None:
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+        peer = _Peer(peer_rank, sock)
+        with self._lock:
+            if peer_rank in self._peers or self._closed:
+                raise auth.AuthenticationError(f"rank {peer_rank} is already connected")
+            self._peers[peer_rank] = peer
+            self._peers_changed.notify_all()
+        threading.Thread(target=self._read_loop, args=(peer,), name=f"shoal-read-{peer_rank}",
+                         daemon=True).start()
+        threading.Thread(target=self._send_loop, args=(peer,), name=f"shoal-send-{peer_rank}",
+                         daemon=True).start()
+
+    # ---- operations --------------------------------------------------------------------------
+
+    def begin(self, op: Op) -> None:
+        """Register a collective so that frames disagreeing with it are caught as they arrive."""
+        with self._lock:
+            self._check_usable(op)
+            self._active[op.ident] = op
+
+    def end(self, op: Op) -> None:
+        """Forget an operation; receives still posted for it (after a failure) are withdrawn."""
+        with self._lock:
+            self._active.pop(op.ident, None)
+            for key in [k for k, r in self._posted.items() if r.op is op]:
+                del self._posted[key]
+
+    def post_recv(self, op: Op, src: int, sub: int, view: memoryview, *,
+                  process: Callable[[], None] | None = None,
+                  on_done: Callable[[Recv], None] | None = None) -> Recv:
+        recv = Recv(op, src, sub, view, process, on_done)
+        key = (src, *op.ident, sub)
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None and held.complete:
+                del self._held[key]  # a frame that arrived is delivered, even if its sender has left since
+            else:
+                self._check_usable(op, src)
+                if src in self._departed:
+                    raise self._departed[src]
+                if held is None:
+                    self._posted[key] = recv
+                else:
+                    held.waiter = recv  # the reader thread hands it over when the frame is in
+                return recv
+        self._deliver_held(recv, held)
+        return recv
+
+    def send(self, op: Op, dst: int, sub: int, payload: memoryview, tracker: SendTracker) -> None:
+        with self._lock:
+            self._check_usable(op, dst)
+            if dst in self._departed:
+                raise self._departed[dst]
+            peer = self._peers[dst]
+        header = _HEADER.pack(_DATA, op.sig[1], op.sig[0], op.sig[2], op.sig[3], op.group, op.tag,
+                              op.seq, sub, op.sig[4], len(payload))
+        tracker.add()
+        # Inline only when nothing is queued (order is kept) and not from a reader thread: a reader
+        # blocked in a write could stop draining its socket while the peer's reader does the same.
+        if (len(payload) <= _INLINE_BYTES and not getattr(_on_reader_thread, "active", False)
+                and peer.write_lock.acquire(blocking=False)):
+            try:
+                with peer.count_lock:
+                    idle = peer.queued == 0
+                if idle:
+                    error = None
+                    try:
+                        _send_frame(peer.sock, header, payload)
+                    except OSError as exc:
+                        error = self._peer_lost(dst, f"send failed: {exc}")
+                    tracker.settle(error)
+                    return
+            finally:
+                peer.write_lock.release()
+        peer.enqueue((header, payload, tracker))
+
+    def wait(self, recv: Recv) -> None:
+        op = recv.op
+        if not recv.event.wait(max(0.0, op.deadline - time.monotonic())):
+            raise TimeoutError(f"{op.name} on rank {self.rank}: nothing from rank {recv.src} within "
+                               f"{op.timeout.total_seconds():g}s (is it alive but not calling {op.name}?)")
+        if recv.error is not None:
+            raise recv.error
+
+    def abort(self, op: Op, error: BaseException) -> None:
+        """Fail `op` here and on every other rank taking part, so no one waits for it in vain."""
+        text = str(error).encode()[:_MAX_ABORT_TEXT]
+        header = _HEADER.pack(_ABORT, 0, 0, 0, 0, op.group, op.tag, op.seq, 0, 0, len(text))
+        with self._lock:
+            peers = [self._peers[r] for r in op.ranks if r in self._peers and r not in self._lost]
+        for peer in peers:
+            peer.enqueue((header, memoryview(text), None))
+        self._fail_op(op.ident, error)
+
+    def _check_usable(self, op: Op, peer: int | None = None) -> None:
+        if self._closed:
+            raise GroupBrokenError(f"rank {self.rank}: the transport is closed")
+        if op.ident in self._aborted:
+            raise self._aborted[op.ident]
+        for rank in (op.ranks if peer is None else (peer, *op.ranks)):
+            if rank in self._lost:
+                raise self._lost[rank]
+
+    # ---- background threads ------------------------------------------------------------------
+
+    def _send_loop(self, peer: _Peer) -> None:
+        while True:
+            item = peer.outbox.get()
+            if item is None:
+                return
+            header, payload, tracker = item
+            error = self._lost.get(peer.rank)
+            if error is None:
+                try:
+                    with peer.write_lock:
+                        _send_frame(peer.sock, header, payload)
+                except OSError as exc:
+                    error = self._peer_lost(peer.rank, f"send failed: {exc}")
+            with peer.count_lock:
+                peer.queued -= 1
+            if tracker is not None:
+                tracker.settle(error)
+
+    def _read_loop(self, peer: _Peer) -> None:
+        _on_reader_thread.active = True
+        header = bytearray(_HEADER.size)
+        try:
+            while True:
+                _recv_exact(peer.sock, memoryview(header))
+                kind, dtype, opcode, redop, root, group, tag, seq, sub, numel, nbytes = _HEADER.unpack(header)
+                if kind == _DATA:
+                    self._on_data(peer, (group, tag, seq), sub, (opcode, dtype, redop, root, numel), nbytes)
+                elif kind == _ABORT and nbytes <= _MAX_ABORT_TEXT:
+                    text = bytearray(nbytes)
+                    _recv_exact(peer.sock, memoryview(text))
+                    self._fail_op((group, tag, seq), CollectiveMismatchError(text.decode(errors="replace")))
+                elif kind == _BYE:
+                    self._peer_departed(peer.rank)
+                    return
+                else:
+                    raise ConnectionError(f"malformed frame (kind {kind}, {nbytes} bytes)")
+        except OSError as exc:
+            self._peer_lost(peer.rank, f"connection lost ({exc})")
+        finally:
+            peer.sock.close()
+
+    def _on_data(self, peer: _Peer, ident: tuple[int, int, int], sub: int, sig: Signature, nbytes: int) -> None:
+        key = (peer.rank, *ident, sub)
+        conflict: Op | None = None
+        with self._lock:
+            recv = self._posted.pop(key, None)
+            if recv is None:
+                active = self._active.get(ident)
+                if active is not None and active.sig != sig:
+                    conflict = active
+                else:
+                    held = self._held[key] = _Held(sig, nbytes)
+        if recv is not None and (recv.op.sig != sig or len(recv.view) != nbytes):
+            conflict = recv.op
+        if conflict is not None:
+            _recv_exact(peer.sock, memoryview(bytearray(nbytes)))  # keep the stream in step
+            self._mismatch(conflict, peer.rank, sig, recv)
+            return
+        if recv is not None:
+            _recv_exact(peer.sock, recv.view)
+            recv.finish()
+            return
+        _recv_exact(peer.sock, memoryview(held.data))
+        with self._lock:
+            held.complete = True
+            waiter = held.waiter
+            if waiter is not None:
+                del self._held[key]
+        if waiter is not None:
+            self._deliver_held(waiter, held)
+
+    def _deliver_held(self, recv: Recv, held: _Held) -> None:
+        if held.sig != recv.op.sig or len(held.data) != len(recv.view):
+            self._mismatch(recv.op, recv.src, held.sig, recv)
+            return
+        recv.view[:] = held.data
+        recv.finish()
+
+    def _mismatch(self, op: Op, src: int, sig: Signature, recv: Recv | None) -> None:
+        if sig == op.sig:  # same call, but the buffer sizes differ (all_gather outputs, p2p)
+            what = f"a frame of a different size for {op.describe(sig)}"
+        else:
+            what = op.describe(sig)
+        error = CollectiveMismatchError(
+            f"{op.name}: rank {self.rank} called {op.describe(op.sig)} but rank {src} sent {what}; "
+            f"every rank must pass matching tensors")
+        self.abort(op, error)
+        if recv is not None:
+            recv.finish(error)
+
+    def _fail_op(self, ident: tuple[int, int, int], error: BaseException) -> None:
+        with self._lock:
+            self._aborted[ident] = error
+            failed = [r for k, r in self._posted.items() if r.op.ident == ident]
+            for recv in failed:
+                del self._posted[(recv.src, *ident, recv.sub)]
+            failed += [h.waiter for k, h in self._held.items() if h.waiter is not None and k[1:4] == ident]
+        for recv in failed:
+            recv.finish(error)
+
+    def _peer_departed(self, rank: int) -> None:
+        """A clean exit: every frame it sent came before its goodbye, so only receives still
+        waiting on it can no longer complete; operations among the others go on."""
+        with self._lock:
+            error = self._departed[rank] = PeerFailure(rank, "it left the group (destroy_process_group)")
+            failed = [(k, r) for k, r in self._posted.items() if r.src == rank]
+            for key, _ in failed:
+                del self._posted[key]
+        for _, recv in failed:
+            recv.finish(error)
+
+    def _peer_lost(self, rank: int, reason: str) -> PeerFailure:
+        with self._lock:
+            if rank in self._lost:
+                return self._lost[rank]
+            error = self._lost[rank] = PeerFailure(rank, reason)
+            failed = [(k, r) for k, r in self._posted.items() if r.src == rank or rank in r.op.ranks]
+            for key, _ in failed:
+                del self._posted[key]
+            failed += [(k, h.waiter) for k, h in self._held.items() if h.waiter is not None and k[0] == rank]
+            peer = self._peers.get(rank)
+        if not self._closed:
+            log.warning("rank %d lost rank %d: %s", self.rank, rank, reason)
+        for _, recv in failed:
+            recv.finish(error)
+        if peer is not None:  # its send thread now settles queued frames with this error
+            try:
+                peer.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return error
+
+    def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
+        """Say goodbye to every peer (so they report a departure, not a crash) and tear down."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+        bye = _HEADER.pack(_BYE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        done = SendTracker()
+        for peer in peers:
+            done.add()
+            peer.enqueue((bye, memoryview(b""), done))
+            peer.outbox.put(None)
+        try:
+            done.wait(time.monotonic() + timeout.total_seconds(), f"rank {self.rank} closing")
+        except (TimeoutError, PeerFailure):
+            pass  # a peer that is already gone needs no goodbye
+        for peer in peers:
+            try:
+                peer.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
+        except OSError:
+            pass
+        self._listener.close()

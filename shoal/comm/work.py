@@ -1,0 +1,103 @@
+"""Work handles for asynchronous operations, and the queue that runs a group's operations in issue order."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+
+
+class Work:
+    """Handle of an operation started with `async_op=True` (same methods as torch's Work)."""
+
+    def __init__(self, name: str, timeout: timedelta) -> None:
+        self.name = name
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout.total_seconds()
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the operation is done; re-raise its error. Returns True, as torch's does."""
+        limit = self._deadline - time.monotonic() if timeout is None else timeout.total_seconds()
+        if not self._event.wait(max(0.0, limit)):
+            seconds = self._timeout.total_seconds() if timeout is None else timeout.total_seconds()
+            raise TimeoutError(f"{self.name} did not complete within {seconds:g}s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def is_success(self) -> bool:
+        return self._event.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Mark the operation done (by the backend); the first outcome wins."""
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+
+class OpQueue:
+    """Runs callables one at a time in the order they were submitted, on a background thread.
+
+    A blocking call that finds the queue idle runs on the caller's thread instead, which saves two
+    thread hand-offs on the latency-critical path and keeps the order all the same.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._pending: deque[Callable[[], None]] = deque()
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None], *, inline_if_idle: bool = False) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"{self._name} is shut down")
+            if inline_if_idle and not self._busy and not self._pending:
+                self._busy = True
+            else:
+                self._pending.append(job)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
+                return
+        try:
+            job()
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or (self._pending and not self._busy))
+                if not self._pending:
+                    return
+                job = self._pending.popleft()
+                self._busy = True
+            try:
+                job()
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def close(self, timeout: timedelta) -> None:
+        """Let queued jobs finish (up to `timeout`), then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not self._pending and not self._busy, timeout=timeout.total_seconds())
