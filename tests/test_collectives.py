@@ -138,3 +138,19 @@ def _non_contiguous(rank: int, world: int) -> None:
 @pytest.mark.parametrize("backend", ["shoal", "gloo"])
 def test_non_contiguous_tensors_are_handled(backend: str) -> None:
     run_ranks(_non_contiguous, 2, backend=backend)
+
+
+def _large_without_lanes(rank: int, world: int) -> None:
+    import shoal.distributed as dist
+
+    t = torch.arange(3_000_001, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.arange(3_000_001, dtype=torch.float32) * sum(range(1, world + 1)))
+    t = torch.full((3_000_001,), float(rank))
+    dist.broadcast(t, src=world - 1)
+    assert torch.all(t == world - 1)
+
+
+def test_large_collectives_over_plain_tcp() -> None:
+    # SHOAL_SHM=0: no shared-memory lanes, as between hosts; every byte goes through the sockets.
+    run_ranks(_large_without_lanes, 3, env={"SHOAL_SHM": "0"})

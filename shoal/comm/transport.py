@@ -12,14 +12,15 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from shoal.comm import auth
+from shoal.comm import auth, shm
 from shoal.errors import CollectiveMismatchError, GroupBrokenError, PeerFailure
 
 log = logging.getLogger(__name__)
 
-# kind, dtype, op, reduce op, root, group, tag, seq, sub, numel, payload bytes
-_HEADER = struct.Struct("<BBBBiIqQIQQ")
-_DATA, _ABORT, _BYE = 1, 2, 3
+# kind, dtype, op, reduce op, root, group, tag, seq, sub, numel, payload bytes, shared-memory slot
+_HEADER = struct.Struct("<BBBBiIqQIQQi")
+_DATA, _ABORT, _BYE, _SHM_OFFER, _SHM_ACCEPT = 1, 2, 3, 4, 5
+_NO_SLOT = -1
 _MAX_ABORT_TEXT = 1 << 16
 _HANDSHAKE_TIMEOUT_S = 10.0
 _SOCKET_BUFFER = 4 << 20
@@ -134,6 +135,8 @@ class _Peer:
         self.queued = 0  # frames put in the outbox and not yet written; guarded by count_lock
         self.count_lock = threading.Lock()
         self.write_lock = threading.Lock()  # one writer at a time: the send thread or an inline sender
+        self.lane_out: shm.Outbound | None = None
+        self.lane_in: shm.Inbound | None = None
 
     def enqueue(self, item: tuple) -> None:
         with self.count_lock:
@@ -241,6 +244,11 @@ class Transport:
             self._peers_changed.notify_all()
         threading.Thread(target=self._read_loop, args=(peer,), name=f"shoal-read-{peer_rank}",
                          daemon=True).start()
+        if shm.available():
+            peer.lane_out = shm.Outbound()
+            name = peer.lane_out.name.encode()
+            peer.enqueue((_HEADER.pack(_SHM_OFFER, 0, 0, 0, 0, 0, 0, 0, 0, 0, len(name), _NO_SLOT),
+                          memoryview(name), None))
         threading.Thread(target=self._send_loop, args=(peer,), name=f"shoal-send-{peer_rank}",
                          daemon=True).start()
 
@@ -286,8 +294,8 @@ class Transport:
             if dst in self._departed:
                 raise self._departed[dst]
             peer = self._peers[dst]
-        header = _HEADER.pack(_DATA, op.sig[1], op.sig[0], op.sig[2], op.sig[3], op.group, op.tag,
-                              op.seq, sub, op.sig[4], len(payload))
+        header = (_DATA, op.sig[1], op.sig[0], op.sig[2], op.sig[3], op.group, op.tag, op.seq, sub, op.sig[4],
+                  len(payload))
         tracker.add()
         # Inline only when nothing is queued (order is kept) and not from a reader thread: a reader
         # blocked in a write could stop draining its socket while the peer's reader does the same.
@@ -299,7 +307,7 @@ class Transport:
                 if idle:
                     error = None
                     try:
-                        _send_frame(peer.sock, header, payload)
+                        _send_frame(peer.sock, _HEADER.pack(*header, _NO_SLOT), payload)
                     except OSError as exc:
                         error = self._peer_lost(dst, f"send failed: {exc}")
                     tracker.settle(error)
@@ -319,7 +327,7 @@ class Transport:
     def abort(self, op: Op, error: BaseException) -> None:
         """Fail `op` here and on every other rank taking part, so no one waits for it in vain."""
         text = str(error).encode()[:_MAX_ABORT_TEXT]
-        header = _HEADER.pack(_ABORT, 0, 0, 0, 0, op.group, op.tag, op.seq, 0, 0, len(text))
+        header = (_ABORT, 0, 0, 0, 0, op.group, op.tag, op.seq, 0, 0, len(text))
         with self._lock:
             peers = [self._peers[r] for r in op.ranks if r in self._peers and r not in self._lost]
         for peer in peers:
@@ -346,6 +354,12 @@ class Transport:
             error = self._lost.get(peer.rank)
             if error is None:
                 try:
+                    if isinstance(header, tuple):
+                        slot = _NO_SLOT
+                        if header[0] == _DATA and len(payload) > _INLINE_BYTES and peer.lane_out is not None:
+                            slot = peer.lane_out.put(payload)
+                            slot, payload = (_NO_SLOT, payload) if slot is None else (slot, memoryview(b""))
+                        header = _HEADER.pack(*header, slot)
                     with peer.write_lock:
                         _send_frame(peer.sock, header, payload)
                 except OSError as exc:
@@ -361,9 +375,15 @@ class Transport:
         try:
             while True:
                 _recv_exact(peer.sock, memoryview(header))
-                kind, dtype, opcode, redop, root, group, tag, seq, sub, numel, nbytes = _HEADER.unpack(header)
+                kind, dtype, opcode, redop, root, group, tag, seq, sub, numel, nbytes, slot = _HEADER.unpack(header)
                 if kind == _DATA:
-                    self._on_data(peer, (group, tag, seq), sub, (opcode, dtype, redop, root, numel), nbytes)
+                    self._on_data(peer, (group, tag, seq), sub, (opcode, dtype, redop, root, numel), nbytes, slot)
+                elif kind == _SHM_OFFER and nbytes <= 256:
+                    name = bytearray(nbytes)
+                    _recv_exact(peer.sock, memoryview(name))
+                    self._accept_lane(peer, name.decode(errors="replace"))
+                elif kind == _SHM_ACCEPT and peer.lane_out is not None:
+                    peer.lane_out.accepted()
                 elif kind == _ABORT and nbytes <= _MAX_ABORT_TEXT:
                     text = bytearray(nbytes)
                     _recv_exact(peer.sock, memoryview(text))
@@ -378,7 +398,21 @@ class Transport:
         finally:
             peer.sock.close()
 
-    def _on_data(self, peer: _Peer, ident: tuple[int, int, int], sub: int, sig: Signature, nbytes: int) -> None:
+    def _accept_lane(self, peer: _Peer, name: str) -> None:
+        try:
+            peer.lane_in = shm.Inbound(name)
+        except (OSError, ValueError):
+            return  # another host (or no /dev/shm): the peer keeps sending everything over TCP
+        peer.enqueue((_HEADER.pack(_SHM_ACCEPT, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, _NO_SLOT), memoryview(b""), None))
+
+    def _on_data(self, peer: _Peer, ident: tuple[int, int, int], sub: int, sig: Signature, nbytes: int,
+                 slot: int) -> None:
+        if slot == _NO_SLOT:
+            fill = lambda view: _recv_exact(peer.sock, view)  # noqa: E731
+        elif peer.lane_in is None:
+            raise ConnectionError(f"rank {peer.rank} sent a shared-memory frame without a shared region")
+        else:
+            fill = lambda view: peer.lane_in.take(slot, view)  # noqa: E731
         key = (peer.rank, *ident, sub)
         conflict: Op | None = None
         with self._lock:
@@ -392,14 +426,14 @@ class Transport:
         if recv is not None and (recv.op.sig != sig or len(recv.view) != nbytes):
             conflict = recv.op
         if conflict is not None:
-            _recv_exact(peer.sock, memoryview(bytearray(nbytes)))  # keep the stream in step
+            fill(memoryview(bytearray(nbytes)))  # keep the stream in step
             self._mismatch(conflict, peer.rank, sig, recv)
             return
         if recv is not None:
-            _recv_exact(peer.sock, recv.view)
+            fill(recv.view)
             recv.finish()
             return
-        _recv_exact(peer.sock, memoryview(held.data))
+        fill(memoryview(held.data))
         with self._lock:
             held.complete = True
             waiter = held.waiter
@@ -476,7 +510,7 @@ class Transport:
                 return
             self._closed = True
             peers = list(self._peers.values())
-        bye = _HEADER.pack(_BYE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        bye = _HEADER.pack(_BYE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, _NO_SLOT)
         done = SendTracker()
         for peer in peers:
             done.add()
@@ -487,6 +521,8 @@ class Transport:
         except (TimeoutError, PeerFailure):
             pass  # a peer that is already gone needs no goodbye
         for peer in peers:
+            if peer.lane_out is not None:
+                peer.lane_out.unlink()
             try:
                 peer.sock.shutdown(socket.SHUT_WR)
             except OSError:
