@@ -8,6 +8,9 @@ import ipaddress
 import os
 import socket
 import struct
+from collections.abc import Callable
+
+from shoal.comm.frames import recv_exact
 
 _MAGIC = b"SHOAL\x00v1"
 # Hello sent by the connecting side: magic, its rank, the rank it wants, a fresh nonce.
@@ -34,12 +37,10 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    view = memoryview(buf)
-    while view:
-        got = sock.recv_into(view)
-        if got == 0:
-            raise AuthenticationError("peer closed the connection during the handshake")
-        view = view[got:]
+    try:
+        recv_exact(sock, memoryview(buf))
+    except ConnectionResetError:
+        raise AuthenticationError("peer closed the connection during the handshake") from None
     return bytes(buf)
 
 
@@ -57,8 +58,10 @@ def client_handshake(sock: socket.socket, secret: bytes, session: bytes, *, my_r
         raise AuthenticationError(f"rank {peer_rank} refused the connection")
 
 
-def server_handshake(sock: socket.socket, secret: bytes, session: bytes, *, my_rank: int, world_size: int) -> int:
-    """Authenticate an incoming connection and return the rank it proved to be."""
+def server_handshake(sock: socket.socket, secret: bytes, session: bytes, *, my_rank: int, world_size: int,
+                     admit: Callable[[int], None]) -> int:
+    """Authenticate an incoming connection and return the rank it proved to be; `admit(rank)` may
+    still refuse it (raising) before the peer is told it is accepted."""
     magic, peer_rank, wanted, nonce_c = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
     if magic != _MAGIC:
         raise AuthenticationError("not a shoal peer (bad greeting)")
@@ -70,5 +73,6 @@ def server_handshake(sock: socket.socket, secret: bytes, session: bytes, *, my_r
     proof = _recv_exact(sock, _MAC)
     if not hmac.compare_digest(proof, _mac(secret, b"connector", session, ids, nonce_l, nonce_c)):
         raise AuthenticationError(f"a connection claiming to be rank {peer_rank} failed the secret check")
+    admit(peer_rank)
     sock.sendall(_ACCEPTED)
     return peer_rank

@@ -3,6 +3,7 @@ shoal feature also runs on PyTorch's own engine by changing one argument."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -26,42 +27,37 @@ _PEER_LOST_HINTS = ("Connection closed by peer", "Connection reset by peer", "Br
 
 
 class _TorchWork(Work):
-    """A torch Work, plus what must happen once it is done (copy back from staging, AVG's division)."""
+    """A torch Work, plus what must happen once it is done (copy back from staging, AVG's division),
+    run exactly once, by whoever first sees the torch Work complete."""
 
     def __init__(self, name: str, timeout: timedelta, work, then: Callable[[], None]) -> None:
         super().__init__(name, timeout)
         self._work = work
         self._then = then
+        self._settling = threading.Lock()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if not super().is_completed():
-            try:
-                self._work.wait(timeout) if timeout is not None else self._work.wait()
-                self._then()
-                self.finish()
-            except RuntimeError as exc:
-                if any(hint in str(exc) for hint in _PEER_LOST_HINTS):
-                    self.finish(PeerFailure(None, f"{self.name}: {exc}"))
+        with self._settling:
+            if not super().is_completed():
+                try:
+                    self._work.wait(timeout) if timeout is not None else self._work.wait()
+                except RuntimeError as exc:
+                    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                        raise TimeoutError(f"{self.name}: {exc}") from None  # not final: may wait again
+                    lost = any(hint in str(exc) for hint in _PEER_LOST_HINTS)
+                    self.finish(PeerFailure(None, f"{self.name}: {exc}") if lost else exc)
                 else:
-                    self.finish(exc)
+                    self._then()
+                    self.finish()
         return super().wait(timedelta(0))
 
     def is_completed(self) -> bool:
-        return super().is_completed() or self._work.is_completed()
-
-
-class _AllOf:
-    """Several torch Works seen as one."""
-
-    def __init__(self, works: list) -> None:
-        self._works = works
-
-    def wait(self, timeout: timedelta | None = None) -> None:
-        for work in self._works:
-            work.wait(timeout) if timeout is not None else work.wait()
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
+        if not super().is_completed() and self._work.is_completed():
+            try:
+                self.wait()
+            except Exception:  # kept in the Work: exception() and wait() report it
+                pass
+        return super().is_completed()
 
 
 def _contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -144,17 +140,17 @@ class C10dProcessGroup(ProcessGroup):
         return self._wrap("reduce_scatter", work, lambda: (finish_(t, op, self.size), back()))
 
     def _start_all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], blocking: bool) -> Work:
-        staged = [_contiguous(o) for o in outs]
-        ins = [i.contiguous() for i in ins]
-        if len({t.numel() for t in ins + [s for s, _ in staged]}) == 1:
-            work = tdist.all_to_all([s for s, _ in staged], ins, group=self._pg, async_op=True)
-        else:
-            # gloo's all_to_all wants one size for every pair; uneven blocks go as paired sends/receives.
-            staged[self.rank][0].copy_(ins[self.rank])
-            ops = [tdist.P2POp(fn, t, self.ranks[r], group=self._pg) for r in range(self.size) if r != self.rank
-                   for fn, t in ((tdist.isend, ins[r]), (tdist.irecv, staged[r][0]))]
-            work = _AllOf(tdist.batch_isend_irecv(ops)) if ops else _AllOf([])
-        return self._wrap("all_to_all", work, lambda: [back() for _, back in staged])
+        # One flat exchange with split sizes: gloo's list form wants one size for every pair of ranks.
+        sent = torch.cat([t.reshape(-1) for t in ins])
+        got = torch.empty(sum(o.numel() for o in outs), dtype=sent.dtype, device=sent.device)
+        work = tdist.all_to_all_single(got, sent, [o.numel() for o in outs], [t.numel() for t in ins],
+                                       group=self._pg, async_op=True)
+
+        def unpack() -> None:
+            for out, block in zip(outs, torch.split(got, [o.numel() for o in outs]), strict=True):
+                out.copy_(block.view(out.shape))
+
+        return self._wrap("all_to_all", work, unpack)
 
     def _start_barrier(self, blocking: bool) -> Work:
         return self._wrap("barrier", tdist.barrier(group=self._pg, async_op=True))

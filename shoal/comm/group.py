@@ -75,10 +75,11 @@ class ProcessGroup(abc.ABC):
     def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], *, async_op: bool = True) -> Work:
         self._check_list(outs, "all_to_all", "output_tensor_list")
         self._check_list(ins, "all_to_all", "input_tensor_list")
-        for i, (o, t) in enumerate(zip(outs, ins, strict=False)):
-            if o.dtype != t.dtype:
-                raise TypeError(f"all_to_all: output_tensor_list[{i}] is {o.dtype} but input_tensor_list[{i}] "
-                                f"is {t.dtype}; all tensors must share one dtype")
+        for what, tensors in (("output_tensor_list", outs), ("input_tensor_list", ins)):
+            for i, t in enumerate(tensors):
+                if t.dtype != ins[0].dtype:
+                    raise TypeError(f"all_to_all: {what}[{i}] is {t.dtype} but input_tensor_list[0] is "
+                                    f"{ins[0].dtype}; all tensors must share one dtype")
         return self._start_all_to_all(outs, ins, blocking=not async_op)
 
     def barrier(self, *, async_op: bool = True) -> Work:

@@ -16,11 +16,12 @@ from datetime import timedelta
 import torch
 
 from shoal.comm import ring
+from shoal.comm.frames import Op, Recv, SendTracker, Signature
 from shoal.comm.group import ProcessGroup
 from shoal.comm.reduce_op import ReduceOp
 from shoal.comm.rendezvous import job_secret, local_address_towards
 from shoal.comm.store import Store
-from shoal.comm.transport import Op, Recv, SendTracker, Signature, Transport
+from shoal.comm.transport import Transport
 from shoal.comm.work import OpQueue, Work
 from shoal.errors import CollectiveMismatchError, GroupBrokenError
 
@@ -106,7 +107,7 @@ class ShoalProcessGroup(ProcessGroup):
         """The world group: listen, publish our address, and connect to every other rank."""
         host = local_address_towards(master_host)
         secret, session = job_secret(store, rank, host, timeout)
-        transport = Transport(rank, world_size, secret=secret, session=session, host=host)
+        transport = Transport(rank, world_size, secret=secret, session=session, host=host, stall_timeout=timeout)
         try:
             store.set(f"transport/{rank}", list(transport.address))
             addresses = {r: store.get(f"transport/{r}", timeout=timeout) for r in range(rank)}
@@ -134,7 +135,7 @@ class ShoalProcessGroup(ProcessGroup):
         work = Work(name, self.timeout)
 
         def run() -> None:
-            op = Op(self._group_id, -1, seq, sig, self.ranks, self.timeout, name, describe)
+            op = Op(self._group_id, -1, seq, sig, self.ranks, self.timeout, name, describe, deadline=work.deadline)
             if self._broken is not None:
                 work.finish(GroupBrokenError(f"{name}: this group failed earlier ({self._broken}); "
                                              f"destroy it and create a new one"))
@@ -147,7 +148,10 @@ class ShoalProcessGroup(ProcessGroup):
                 finish()
                 work.finish()
             except CollectiveMismatchError as exc:
-                work.finish(exc)  # every rank aborted this op alike, so the group stays usable
+                # Every rank aborted this op alike, so the group stays usable; frames of the failed op
+                # may still be landing in the scratch buffer, so the next op gets a fresh one.
+                self._scratch = torch.empty(0, dtype=torch.uint8)
+                work.finish(exc)
             except Exception as exc:
                 self._broken = exc
                 work.finish(exc)
@@ -156,7 +160,9 @@ class ShoalProcessGroup(ProcessGroup):
 
         with self._issue:
             seq = next(self._seq)
-            self._queue.submit(run, inline_if_idle=blocking)
+            here = self._queue.submit(run, inline_if_idle=blocking)
+        if here:
+            self._queue.run_here(run)
         return work
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Work:
@@ -213,9 +219,13 @@ class ShoalProcessGroup(ProcessGroup):
 
     # ---- point to point ----------------------------------------------------------------------
 
-    def _p2p_op(self, peer: int, tag: int, seq: int, tensor: torch.Tensor, name: str) -> Op:
+    def _p2p_op(self, peer: int, tag: int, seq: int, tensor: torch.Tensor, name: str, work: Work) -> Op:
+        if self._broken is not None:
+            raise GroupBrokenError(f"{name}: this group failed earlier ({self._broken}); destroy it and "
+                                   f"create a new one")
         sig = (_OPS.index("send/recv"), _DTYPE_CODE[_dtype_of(tensor, name)], 0, 0, tensor.numel())
-        return Op(self._group_id, tag, seq, sig, (self.ranks[peer],), self.timeout, name, describe)
+        return Op(self._group_id, tag, seq, sig, (self.ranks[peer],), self.timeout, name, describe,
+                  deadline=work.deadline)
 
     def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work:
         flat, _ = _staged(tensor)
@@ -229,8 +239,10 @@ class ShoalProcessGroup(ProcessGroup):
                 work.finish(exc)
 
         with self._issue:
-            op = self._p2p_op(dst, tag, next(self._sent[(dst, tag)]), flat, "send")
-            self._queue.submit(start, inline_if_idle=True)
+            op = self._p2p_op(dst, tag, next(self._sent[(dst, tag)]), flat, "send", work)
+            here = self._queue.submit(start, inline_if_idle=True)
+        if here:
+            self._queue.run_here(start)
         return work
 
     def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work:
@@ -249,8 +261,10 @@ class ShoalProcessGroup(ProcessGroup):
                 work.finish(exc)
 
         with self._issue:
-            op = self._p2p_op(src, tag, next(self._received[(src, tag)]), flat, "recv")
-            self._queue.submit(start, inline_if_idle=True)
+            op = self._p2p_op(src, tag, next(self._received[(src, tag)]), flat, "recv", work)
+            here = self._queue.submit(start, inline_if_idle=True)
+        if here:
+            self._queue.run_here(start)
         return work
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -264,7 +278,7 @@ class ShoalProcessGroup(ProcessGroup):
     def shutdown(self) -> None:
         self._queue.close(self.timeout)
         if self._owns_transport:
-            self.transport.close()
+            self.transport.close(self.timeout)
 
 
 def _dtype_of(tensor: torch.Tensor, name: str) -> torch.dtype:

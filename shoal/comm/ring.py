@@ -16,11 +16,13 @@ from typing import Protocol
 import torch
 
 from shoal.comm.reduce_op import ReduceOp, combine_, finish_
+from shoal.comm.shm import SLOT_BYTES
 
 # Below this many bytes an all-reduce is one round of direct exchange: latency beats bandwidth.
 SMALL_BYTES = 64 << 10
-# Ring traffic moves in chunks of about this size so sending, receiving and reducing overlap.
-CHUNK_BYTES = 2 << 20
+# Ring traffic moves in chunks of about this size so sending, receiving and reducing overlap;
+# one chunk fills one shared-memory slot between ranks on a host.
+CHUNK_BYTES = SLOT_BYTES
 
 
 class Channel(Protocol):
@@ -136,6 +138,8 @@ class _DirectReduce:
 
 
 def all_reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp) -> None:
+    """Small tensors: one round of direct exchange. Large: ring reduce-scatter, then ring all-gather,
+    chunk by chunk, each chunk starting its all-gather as soon as its reduction is final."""
     n, me = ch.size, ch.rank
     if n == 1:
         return
@@ -269,6 +273,7 @@ def all_gather(ch: Channel, outs: list[torch.Tensor], mine: torch.Tensor) -> Non
 
 
 def gather(ch: Channel, outs: list[torch.Tensor] | None, mine: torch.Tensor, dst: int) -> None:
+    """Everyone sends straight to `dst`: it must receive every byte anyway."""
     if ch.rank != dst:
         ch.send(dst, 0, as_bytes(mine))
         ch.flush()
@@ -280,6 +285,7 @@ def gather(ch: Channel, outs: list[torch.Tensor] | None, mine: torch.Tensor, dst
 
 
 def scatter(ch: Channel, out: torch.Tensor, blocks: list[torch.Tensor] | None, src: int) -> None:
+    """`src` sends each rank its block directly: it must send every byte anyway."""
     if ch.rank != src:
         ch.wait(ch.recv(src, 0, as_bytes(out)))
         return
@@ -292,6 +298,7 @@ def scatter(ch: Channel, out: torch.Tensor, blocks: list[torch.Tensor] | None, s
 
 
 def all_to_all(ch: Channel, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
+    """Every pair exchanges its blocks directly; blocks may differ in size per pair."""
     me = ch.rank
     handles = [ch.recv(src, 0, as_bytes(outs[src])) for src in range(ch.size) if src != me]
     for dst in range(ch.size):

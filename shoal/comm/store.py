@@ -54,14 +54,6 @@ class Store:
             tcp = tdist.TCPStore(host, port, world_size, False, timeout=timeout)
         return cls(tcp, prefix)
 
-    def scoped(self, suffix: str) -> Store:
-        """A view of the same server whose keys live under `prefix + suffix + "/"`."""
-        return Store(self.raw, f"{self.prefix}{suffix}/")
-
-    @property
-    def port(self) -> int:
-        return self.raw.port
-
     def set(self, key: str, value: Any) -> None:
         self.raw.set(self.prefix + key, json.dumps(value).encode())
 

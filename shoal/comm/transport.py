@@ -13,14 +13,26 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from shoal.comm import auth, shm
+from shoal.comm.frames import (
+    ABORT,
+    BYE,
+    DATA,
+    HEADER,
+    NO_SLOT,
+    SHM_ACCEPT,
+    SHM_OFFER,
+    Held,
+    Op,
+    Recv,
+    SendTracker,
+    Signature,
+    recv_exact,
+    send_frame,
+)
 from shoal.errors import CollectiveMismatchError, GroupBrokenError, PeerFailure
 
 log = logging.getLogger(__name__)
 
-# kind, dtype, op, reduce op, root, group, tag, seq, sub, numel, payload bytes, shared-memory slot
-_HEADER = struct.Struct("<BBBBiIqQIQQi")
-_DATA, _ABORT, _BYE, _SHM_OFFER, _SHM_ACCEPT = 1, 2, 3, 4, 5
-_NO_SLOT = -1
 _MAX_ABORT_TEXT = 1 << 16
 _HANDSHAKE_TIMEOUT_S = 10.0
 _SOCKET_BUFFER = 4 << 20
@@ -28,104 +40,6 @@ _SOCKET_BUFFER = 4 << 20
 # a thread hand-off costs more than the copy. Reader threads never write inline (see `send`).
 _INLINE_BYTES = 64 << 10
 _on_reader_thread = threading.local()
-
-Signature = tuple[int, int, int, int, int]  # (op, dtype, reduce op, root, numel)
-
-
-class Op:
-    """One operation in flight: the identity frames carry, what every rank must agree on, who takes
-    part (global ranks) and when to give up."""
-
-    __slots__ = ("deadline", "describe", "group", "name", "ranks", "seq", "sig", "tag", "timeout")
-
-    def __init__(self, group: int, tag: int, seq: int, sig: Signature, ranks: tuple[int, ...],
-                 timeout: timedelta, name: str, describe: Callable[[Signature], str]) -> None:
-        self.group, self.tag, self.seq, self.sig, self.ranks = group, tag, seq, sig, ranks
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout.total_seconds()
-        self.name = name
-        self.describe = describe
-
-    @property
-    def ident(self) -> tuple[int, int, int]:
-        return (self.group, self.tag, self.seq)
-
-
-class Recv:
-    """A posted receive: the frame (src, op, sub) lands in `view`; `event` is set when it has.
-
-    `process` runs on the reader thread as soon as the frame is in, before `event` is set (the ring
-    algorithms reduce and forward there, so the pipeline advances without waking another thread);
-    `on_done` runs after, whatever the outcome.
-    """
-
-    __slots__ = ("error", "event", "on_done", "op", "process", "src", "sub", "view")
-
-    def __init__(self, op: Op, src: int, sub: int, view: memoryview,
-                 process: Callable[[], None] | None, on_done: Callable[[Recv], None] | None) -> None:
-        self.op, self.src, self.sub, self.view = op, src, sub, view
-        self.process, self.on_done = process, on_done
-        self.event = threading.Event()
-        self.error: BaseException | None = None
-
-    def finish(self, error: BaseException | None = None) -> None:
-        if self.event.is_set():
-            return
-        if error is None and self.process is not None:
-            try:
-                self.process()
-            except Exception as exc:
-                error = exc
-        self.error = error
-        self.event.set()
-        if self.on_done is not None:
-            self.on_done(self)
-
-
-class SendTracker:
-    """Counts the frames of one operation still queued for sending; `on_done` runs when none are."""
-
-    def __init__(self, on_done: Callable[[BaseException | None], None] | None = None) -> None:
-        self._pending = 0
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._on_done = on_done
-
-    def add(self) -> None:
-        with self._cond:
-            self._pending += 1
-
-    def settle(self, error: BaseException | None) -> None:
-        with self._cond:
-            self._pending -= 1
-            self._error = self._error or error
-            finished = self._pending == 0
-            if finished:
-                self._cond.notify_all()
-        if finished and self._on_done is not None:
-            self._on_done(self._error)
-
-    def wait(self, deadline: float, what: str) -> None:
-        """Block until every frame is handed to the kernel; raise the first send error."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._pending == 0,
-                                       timeout=max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"{what}: sends did not drain before the deadline")
-            if self._error is not None:
-                raise self._error
-
-
-class _Held:
-    """A frame that arrived before its receive was posted, kept until it is."""
-
-    __slots__ = ("complete", "data", "sig", "waiter")
-
-    def __init__(self, sig: Signature, nbytes: int) -> None:
-        self.sig = sig
-        self.data = bytearray(nbytes)
-        self.complete = False
-        self.waiter: Recv | None = None
-
 
 class _Peer:
     def __init__(self, rank: int, sock: socket.socket) -> None:
@@ -144,33 +58,19 @@ class _Peer:
         self.outbox.put(item)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        got = sock.recv_into(view, len(view), socket.MSG_WAITALL)
-        if got == 0:
-            raise ConnectionResetError("connection closed by peer")
-        view = view[got:]
-
-
-def _send_frame(sock: socket.socket, header: bytes, payload: memoryview) -> None:
-    sent = sock.sendmsg([header, payload])
-    while sent < len(header):
-        sent += sock.sendmsg([header[sent:], payload])
-    if sent - len(header) < len(payload):
-        sock.sendall(payload[sent - len(header):])
-
-
 class Transport:
     """Full mesh of authenticated connections between the ranks of one job."""
 
-    def __init__(self, rank: int, world_size: int, *, secret: bytes, session: bytes, host: str) -> None:
+    def __init__(self, rank: int, world_size: int, *, secret: bytes, session: bytes, host: str,
+                 stall_timeout: timedelta) -> None:
         self.rank, self.world_size = rank, world_size
+        self._stall_timeout = stall_timeout
         self._secret, self._session = secret, session
         self._lock = threading.Lock()
         self._peers: dict[int, _Peer] = {}
         self._peers_changed = threading.Condition(self._lock)
         self._posted: dict[tuple, Recv] = {}
-        self._held: dict[tuple, _Held] = {}
+        self._held: dict[tuple, Held] = {}
         self._active: dict[tuple[int, int, int], Op] = {}
         self._aborted: dict[tuple[int, int, int], BaseException] = {}
         self._lost: dict[int, PeerFailure] = {}  # crashed: every op they take part in fails
@@ -222,17 +122,27 @@ class Transport:
     def _admit(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(_HANDSHAKE_TIMEOUT_S)
-            peer = auth.server_handshake(conn, self._secret, self._session,
-                                         my_rank=self.rank, world_size=self.world_size)
-            if peer < self.rank:
-                raise auth.AuthenticationError(f"rank {peer} should be dialled, not dial in")
+            peer = auth.server_handshake(conn, self._secret, self._session, my_rank=self.rank,
+                                         world_size=self.world_size, admit=self._check_newcomer)
             self._adopt(peer, conn)
         except (OSError, struct.error, ValueError) as exc:
             log.warning("rank %d rejected a connection: %s", self.rank, exc)
             conn.close()
 
+    def _check_newcomer(self, peer: int) -> None:
+        if peer < self.rank:
+            raise auth.AuthenticationError(f"rank {peer} should be dialled, not dial in")
+        with self._lock:
+            if peer in self._peers or self._closed:
+                raise auth.AuthenticationError(f"rank {peer} is already connected")
+
     def _adopt(self, peer_rank: int, sock: socket.socket) -> None:
         sock.settimeout(None)
+        # A write that makes no progress for this long means the peer has stopped reading (stalled,
+        # not dead): fail it rather than block a thread forever.
+        seconds = self._stall_timeout.total_seconds()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
@@ -247,7 +157,7 @@ class Transport:
         if shm.available():
             peer.lane_out = shm.Outbound()
             name = peer.lane_out.name.encode()
-            peer.enqueue((_HEADER.pack(_SHM_OFFER, 0, 0, 0, 0, 0, 0, 0, 0, 0, len(name), _NO_SLOT),
+            peer.enqueue((HEADER.pack(SHM_OFFER, 0, 0, 0, 0, 0, 0, 0, 0, 0, len(name), NO_SLOT),
                           memoryview(name), None))
         threading.Thread(target=self._send_loop, args=(peer,), name=f"shoal-send-{peer_rank}",
                          daemon=True).start()
@@ -263,13 +173,17 @@ class Transport:
     def end(self, op: Op) -> None:
         """Forget an operation; receives still posted for it (after a failure) are withdrawn."""
         with self._lock:
+            op.cancelled = op.cancelled or GroupBrokenError(f"{op.name} has ended")
             self._active.pop(op.ident, None)
             for key in [k for k, r in self._posted.items() if r.op is op]:
                 del self._posted[key]
+            for key in [k for k in self._held if k[1:4] == op.ident]:
+                del self._held[key]
 
     def post_recv(self, op: Op, src: int, sub: int, view: memoryview, *,
                   process: Callable[[], None] | None = None,
                   on_done: Callable[[Recv], None] | None = None) -> Recv:
+        """Post the receive of frame (src, op, sub) into `view`, so it lands there without a copy."""
         recv = Recv(op, src, sub, view, process, on_done)
         key = (src, *op.ident, sub)
         with self._lock:
@@ -289,12 +203,13 @@ class Transport:
         return recv
 
     def send(self, op: Op, dst: int, sub: int, payload: memoryview, tracker: SendTracker) -> None:
+        """Send frame (op, sub) to `dst` without waiting; `tracker` learns when `payload` may be reused."""
         with self._lock:
             self._check_usable(op, dst)
             if dst in self._departed:
                 raise self._departed[dst]
             peer = self._peers[dst]
-        header = (_DATA, op.sig[1], op.sig[0], op.sig[2], op.sig[3], op.group, op.tag, op.seq, sub, op.sig[4],
+        header = (DATA, op.sig[1], op.sig[0], op.sig[2], op.sig[3], op.group, op.tag, op.seq, sub, op.sig[4],
                   len(payload))
         tracker.add()
         # Inline only when nothing is queued (order is kept) and not from a reader thread: a reader
@@ -307,7 +222,7 @@ class Transport:
                 if idle:
                     error = None
                     try:
-                        _send_frame(peer.sock, _HEADER.pack(*header, _NO_SLOT), payload)
+                        send_frame(peer.sock, HEADER.pack(*header, NO_SLOT), payload)
                     except OSError as exc:
                         error = self._peer_lost(dst, f"send failed: {exc}")
                     tracker.settle(error)
@@ -317,6 +232,7 @@ class Transport:
         peer.enqueue((header, payload, tracker))
 
     def wait(self, recv: Recv) -> None:
+        """Block until `recv` is in (and processed), or its op's deadline passes."""
         op = recv.op
         if not recv.event.wait(max(0.0, op.deadline - time.monotonic())):
             raise TimeoutError(f"{op.name} on rank {self.rank}: nothing from rank {recv.src} within "
@@ -327,7 +243,7 @@ class Transport:
     def abort(self, op: Op, error: BaseException) -> None:
         """Fail `op` here and on every other rank taking part, so no one waits for it in vain."""
         text = str(error).encode()[:_MAX_ABORT_TEXT]
-        header = (_ABORT, 0, 0, 0, 0, op.group, op.tag, op.seq, 0, 0, len(text))
+        header = (ABORT, 0, 0, 0, 0, op.group, op.tag, op.seq, 0, 0, len(text))
         with self._lock:
             peers = [self._peers[r] for r in op.ranks if r in self._peers and r not in self._lost]
         for peer in peers:
@@ -355,13 +271,13 @@ class Transport:
             if error is None:
                 try:
                     if isinstance(header, tuple):
-                        slot = _NO_SLOT
-                        if header[0] == _DATA and len(payload) > _INLINE_BYTES and peer.lane_out is not None:
+                        slot = NO_SLOT
+                        if header[0] == DATA and len(payload) > _INLINE_BYTES and peer.lane_out is not None:
                             slot = peer.lane_out.put(payload)
-                            slot, payload = (_NO_SLOT, payload) if slot is None else (slot, memoryview(b""))
-                        header = _HEADER.pack(*header, slot)
+                            slot, payload = (NO_SLOT, payload) if slot is None else (slot, memoryview(b""))
+                        header = HEADER.pack(*header, slot)
                     with peer.write_lock:
-                        _send_frame(peer.sock, header, payload)
+                        send_frame(peer.sock, header, payload)
                 except OSError as exc:
                     error = self._peer_lost(peer.rank, f"send failed: {exc}")
             with peer.count_lock:
@@ -371,30 +287,33 @@ class Transport:
 
     def _read_loop(self, peer: _Peer) -> None:
         _on_reader_thread.active = True
-        header = bytearray(_HEADER.size)
+        header = bytearray(HEADER.size)
         try:
             while True:
-                _recv_exact(peer.sock, memoryview(header))
-                kind, dtype, opcode, redop, root, group, tag, seq, sub, numel, nbytes, slot = _HEADER.unpack(header)
-                if kind == _DATA:
+                recv_exact(peer.sock, memoryview(header))
+                kind, dtype, opcode, redop, root, group, tag, seq, sub, numel, nbytes, slot = HEADER.unpack(header)
+                if kind == DATA:
                     self._on_data(peer, (group, tag, seq), sub, (opcode, dtype, redop, root, numel), nbytes, slot)
-                elif kind == _SHM_OFFER and nbytes <= 256:
+                elif kind == SHM_OFFER and nbytes <= 256:
                     name = bytearray(nbytes)
-                    _recv_exact(peer.sock, memoryview(name))
+                    recv_exact(peer.sock, memoryview(name))
                     self._accept_lane(peer, name.decode(errors="replace"))
-                elif kind == _SHM_ACCEPT and peer.lane_out is not None:
+                elif kind == SHM_ACCEPT and peer.lane_out is not None:
                     peer.lane_out.accepted()
-                elif kind == _ABORT and nbytes <= _MAX_ABORT_TEXT:
+                elif kind == ABORT and nbytes <= _MAX_ABORT_TEXT:
                     text = bytearray(nbytes)
-                    _recv_exact(peer.sock, memoryview(text))
+                    recv_exact(peer.sock, memoryview(text))
                     self._fail_op((group, tag, seq), CollectiveMismatchError(text.decode(errors="replace")))
-                elif kind == _BYE:
+                elif kind == BYE:
                     self._peer_departed(peer.rank)
                     return
                 else:
                     raise ConnectionError(f"malformed frame (kind {kind}, {nbytes} bytes)")
         except OSError as exc:
             self._peer_lost(peer.rank, f"connection lost ({exc})")
+        except Exception as exc:  # a reader that dies must not leave its receives waiting
+            log.exception("rank %d: reader for rank %d failed", self.rank, peer.rank)
+            self._peer_lost(peer.rank, f"reader failed ({exc!r})")
         finally:
             peer.sock.close()
 
@@ -403,37 +322,45 @@ class Transport:
             peer.lane_in = shm.Inbound(name)
         except (OSError, ValueError):
             return  # another host (or no /dev/shm): the peer keeps sending everything over TCP
-        peer.enqueue((_HEADER.pack(_SHM_ACCEPT, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, _NO_SLOT), memoryview(b""), None))
+        peer.enqueue((HEADER.pack(SHM_ACCEPT, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, NO_SLOT), memoryview(b""), None))
 
     def _on_data(self, peer: _Peer, ident: tuple[int, int, int], sub: int, sig: Signature, nbytes: int,
                  slot: int) -> None:
-        if slot == _NO_SLOT:
-            fill = lambda view: _recv_exact(peer.sock, view)  # noqa: E731
+        if slot == NO_SLOT:
+            fill = lambda view: recv_exact(peer.sock, view)  # noqa: E731
         elif peer.lane_in is None:
             raise ConnectionError(f"rank {peer.rank} sent a shared-memory frame without a shared region")
         else:
             fill = lambda view: peer.lane_in.take(slot, view)  # noqa: E731
         key = (peer.rank, *ident, sub)
         conflict: Op | None = None
+        held: Held | None = None
         with self._lock:
             recv = self._posted.pop(key, None)
-            if recv is None:
+            if recv is None and ident not in self._aborted:
                 active = self._active.get(ident)
                 if active is not None and active.sig != sig:
                     conflict = active
                 else:
-                    held = self._held[key] = _Held(sig, nbytes)
+                    held = self._held[key] = Held(sig, nbytes)
         if recv is not None and (recv.op.sig != sig or len(recv.view) != nbytes):
             conflict = recv.op
-        if conflict is not None:
-            fill(memoryview(bytearray(nbytes)))  # keep the stream in step
-            self._mismatch(conflict, peer.rank, sig, recv)
+        if conflict is not None or (recv is None and held is None):
+            fill(memoryview(bytearray(nbytes)))  # keep the stream in step; the frame is not wanted
+            if conflict is not None:
+                self._mismatch(conflict, peer.rank, sig, recv)
             return
+        try:
+            fill(recv.view if recv is not None else memoryview(held.data))
+        except OSError as exc:  # the peer vanished mid-frame: whoever waits for it must hear so
+            error = self._peer_lost(peer.rank, f"connection lost ({exc})")
+            waiter = recv if recv is not None else held.waiter
+            if waiter is not None:
+                waiter.finish(error)
+            raise
         if recv is not None:
-            fill(recv.view)
             recv.finish()
             return
-        fill(memoryview(held.data))
         with self._lock:
             held.complete = True
             waiter = held.waiter
@@ -442,11 +369,12 @@ class Transport:
         if waiter is not None:
             self._deliver_held(waiter, held)
 
-    def _deliver_held(self, recv: Recv, held: _Held) -> None:
+    def _deliver_held(self, recv: Recv, held: Held) -> None:
         if held.sig != recv.op.sig or len(held.data) != len(recv.view):
             self._mismatch(recv.op, recv.src, held.sig, recv)
             return
-        recv.view[:] = held.data
+        if recv.op.cancelled is None:
+            recv.view[:] = held.data
         recv.finish()
 
     def _mismatch(self, op: Op, src: int, sig: Signature, recv: Recv | None) -> None:
@@ -464,6 +392,8 @@ class Transport:
     def _fail_op(self, ident: tuple[int, int, int], error: BaseException) -> None:
         with self._lock:
             self._aborted[ident] = error
+            if ident in self._active:
+                self._active[ident].cancelled = error
             failed = [r for k, r in self._posted.items() if r.op.ident == ident]
             for recv in failed:
                 del self._posted[(recv.src, *ident, recv.sub)]
@@ -510,7 +440,12 @@ class Transport:
                 return
             self._closed = True
             peers = list(self._peers.values())
-        bye = _HEADER.pack(_BYE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, _NO_SLOT)
+            closed = GroupBrokenError(f"rank {self.rank}: the process group was destroyed")
+            pending = list(self._posted.values()) + [h.waiter for h in self._held.values() if h.waiter]
+            self._posted.clear()
+        for recv in pending:
+            recv.finish(closed)
+        bye = HEADER.pack(BYE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, NO_SLOT)
         done = SendTracker()
         for peer in peers:
             done.add()

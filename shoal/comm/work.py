@@ -29,6 +29,11 @@ class Work:
             raise self._error
         return True
 
+    @property
+    def deadline(self) -> float:
+        """`time.monotonic()` value after which waiting for this op raises TimeoutError."""
+        return self._deadline
+
     def is_completed(self) -> bool:
         return self._event.is_set()
 
@@ -48,8 +53,9 @@ class Work:
 class OpQueue:
     """Runs callables one at a time in the order they were submitted, on a background thread.
 
-    A blocking call that finds the queue idle runs on the caller's thread instead, which saves two
-    thread hand-offs on the latency-critical path and keeps the order all the same.
+    A blocking call that finds the queue idle runs on the caller's thread instead (`submit` says
+    so, `run_here` runs it), which saves two thread hand-offs on the latency-critical path and keeps
+    the order all the same.
     """
 
     def __init__(self, name: str) -> None:
@@ -60,19 +66,23 @@ class OpQueue:
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def submit(self, job: Callable[[], None], *, inline_if_idle: bool = False) -> None:
+    def submit(self, job: Callable[[], None], *, inline_if_idle: bool = False) -> bool:
+        """Queue `job`; or, with `inline_if_idle` and nothing queued or running, reserve the queue
+        and return True: the caller must then call `run_here(job)` (outside any lock of its own)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"{self._name} is shut down")
             if inline_if_idle and not self._busy and not self._pending:
                 self._busy = True
-            else:
-                self._pending.append(job)
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                    self._thread.start()
-                self._cond.notify_all()
-                return
+                return True
+            self._pending.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+            return False
+
+    def run_here(self, job: Callable[[], None]) -> None:
         try:
             job()
         finally:
@@ -83,9 +93,9 @@ class OpQueue:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or (self._pending and not self._busy))
+                self._cond.wait_for(lambda: (self._pending and not self._busy) or (self._closed and not self._pending))
                 if not self._pending:
-                    return
+                    return  # closed and drained
                 job = self._pending.popleft()
                 self._busy = True
             try:
