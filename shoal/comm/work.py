@@ -83,6 +83,7 @@ class OpQueue:
             return False
 
     def run_here(self, job: Callable[[], None]) -> None:
+        """Run a job the queue is reserved for, then release the queue."""
         try:
             job()
         finally:
@@ -98,12 +99,7 @@ class OpQueue:
                     return  # closed and drained
                 job = self._pending.popleft()
                 self._busy = True
-            try:
-                job()
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+            self.run_here(job)
 
     def close(self, timeout: timedelta) -> None:
         """Let queued jobs finish (up to `timeout`), then stop the thread."""
