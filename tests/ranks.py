@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -40,7 +41,9 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, backend: str | N
             dist.init_process_group(backend, f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=group_timeout))
         out = fn(rank, world_size, *args) if backend is not None else fn(rank, world_size, port, *args)
-        results.put((rank, "ok", out))
+        # Plain pickle: the queue's own pickler would pass tensors as file descriptors of shared memory,
+        # which vanish when this process exits before the test reads them.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException as exc:
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -81,7 +84,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str | None = "
                 continue
             if status == "error":
                 raise RankFailed(f"rank {rank} failed: {value}")
-            outcomes[rank] = value
+            outcomes[rank] = pickle.loads(value)
             waiting.discard(rank)
     finally:
         for p in procs:

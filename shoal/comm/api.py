@@ -83,6 +83,11 @@ def _group(group: ProcessGroup | None) -> ProcessGroup:
     return _world
 
 
+def default_group() -> ProcessGroup:
+    """The group `init_process_group` created (what `group=None` means everywhere)."""
+    return _group(None)
+
+
 def get_rank(group: ProcessGroup | None = None) -> int:
     return _group(group).rank
 

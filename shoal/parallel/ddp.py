@@ -1,0 +1,193 @@
+"""DistributedDataParallel: replicas of one module on every rank whose gradients are averaged in
+buckets, each bucket's all-reduce starting while backward is still computing the rest.
+
+    model = DistributedDataParallel(net)        # after shoal.distributed.init_process_group(...)
+    loss_fn(model(x), y).backward()             # on return, every .grad is the mean over ranks
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from shoal.comm.group import ProcessGroup
+from shoal.parallel.buckets import Bucket, assign_buckets
+from shoal.parallel.comm_hooks import GradBucket, Pending, allreduce_hook
+
+_FIRST_BUCKET_BYTES = 1 << 20
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper with torch's constructor arguments and semantics.
+
+    At construction every rank checks that it holds the same parameters (names, shapes, dtypes) and
+    takes rank 0's parameters and buffers. In backward, a hook on each parameter copies its
+    gradient into its bucket; a full bucket is all-reduced at once, asynchronously, in bucket order
+    on every rank; when backward finishes, the buckets are awaited and the averaged gradients put
+    back into `.grad`.
+    """
+
+    def __init__(self, module: nn.Module, process_group: ProcessGroup | None = None, bucket_cap_mb: float = 25,
+                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False) -> None:
+        super().__init__()
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        import shoal.distributed as dist
+
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.default_group()
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        _check_same_parameters(named, self.process_group)
+        self._sync_from_rank0()
+        cap = int(bucket_cap_mb * (1 << 20))
+        assignment = assign_buckets([p for _, p in named], cap, min(cap, _FIRST_BUCKET_BYTES))
+        self.buckets = [Bucket(b, [named[i][1] for i in members], [named[i][0] for i in members])
+                        for b, members in enumerate(assignment)]
+        self._hook: Callable[[Any, GradBucket], Pending] = allreduce_hook
+        self._hook_state: Any = self.process_group
+        self._require_sync = True
+        self._in_backward = False
+        self._next_launch = 0
+        self._inflight: list[Pending | None] = [None] * len(self.buckets)
+        self.launched_in_backward = 0  # buckets whose reduction began before backward ended (last step)
+        for bucket in self.buckets:
+            for i, param in enumerate(bucket.params):
+                if gradient_as_bucket_view:
+                    param.grad = bucket.view(i)
+                param.register_post_accumulate_grad_hook(self._make_grad_hook(bucket, i))
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def _sync_from_rank0(self) -> None:
+        """Every replica starts from rank 0's parameters and buffers."""
+        with torch.no_grad():
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                self.process_group.broadcast(tensor, self.process_group.ranks[0]).wait()
+
+    def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Pending]) -> None:
+        """Replace how buckets are averaged (see `shoal.parallel.comm_hooks`); call before training."""
+        self._hook_state, self._hook = state, hook
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block averages the sum."""
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    # ---- forward and backward ----------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._require_sync:
+            for bucket in self.buckets:
+                bucket.reset()
+            self._next_launch = 0
+            self.launched_in_backward = 0
+        if self.broadcast_buffers and self.process_group.size > 1:
+            with torch.no_grad():
+                for buffer in self.module.buffers():
+                    self.process_group.broadcast(buffer, self.process_group.ranks[0]).wait()
+        return self.module(*args, **kwargs)
+
+    def _make_grad_hook(self, bucket: Bucket, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if not self._require_sync:
+                return
+            if not self._in_backward:
+                self._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            view = bucket.view(i)
+            if param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)
+                if self.gradient_as_bucket_view:
+                    param.grad = view
+            if bucket.mark_ready(i):
+                self._launch_ready(in_backward=True)
+        return hook
+
+    def _launch_ready(self, *, in_backward: bool) -> None:
+        """Start the reductions of ready buckets, strictly in bucket order, as every rank does."""
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+            bucket = self.buckets[self._next_launch]
+            grad_bucket = GradBucket(bucket.index, bucket.buffer, self.process_group)
+            self._inflight[bucket.index] = self._hook(self._hook_state, grad_bucket)
+            self._next_launch += 1
+            self.launched_in_backward += in_backward
+
+    def _finish_backward(self) -> None:
+        """Runs once autograd has finished this backward: reduce what is left, wait, write `.grad`."""
+        self._in_backward = False
+        unused = [(b, i) for b in self.buckets for i, ready in enumerate(b.ready) if not ready]
+        unused_here = {(b.index, i) for b, i in unused}
+        if unused and not self.find_unused_parameters:
+            self._launch_ready(in_backward=False)
+            self._drain()
+            names = [b.names[i] for b, i in unused]
+            raise RuntimeError(f"rank {self.process_group.rank}: parameters {names} got no gradient in this "
+                               f"backward; pass find_unused_parameters=True to DistributedDataParallel if "
+                               f"parts of the model may be skipped")
+        for bucket, i in unused:
+            bucket.view(i).zero_()
+            bucket.mark_ready(i)
+        self._launch_ready(in_backward=False)
+        used = None
+        if self.find_unused_parameters:
+            # A parameter unused here may be used elsewhere: only a globally unused one keeps grad None.
+            flags = torch.tensor([0 if (b.index, i) in unused_here else 1
+                                  for b in self.buckets for i in range(len(b.params))], dtype=torch.int32)
+            self.process_group.all_reduce(flags).wait()
+            used = iter(flags.tolist())
+        for bucket, pending in zip(self.buckets, self._drain(), strict=True):
+            for i, param in enumerate(bucket.params):
+                globally_used = True if used is None else next(used) > 0
+                if not globally_used:
+                    continue
+                result = pending[bucket.offsets[i]:bucket.offsets[i + 1]].view_as(param)
+                if param.grad is None:
+                    param.grad = result.clone()
+                elif param.grad.data_ptr() != result.data_ptr():
+                    param.grad.copy_(result)
+
+    def _drain(self) -> list[torch.Tensor]:
+        results = [pending.wait() for pending in self._inflight if pending is not None]
+        self._inflight = [None] * len(self.buckets)
+        return results
+
+
+def _check_same_parameters(named: list[tuple[str, torch.Tensor]], group: ProcessGroup) -> None:
+    """Raise on every rank, naming the parameter and the ranks, if replicas differ in structure."""
+    mine = json.dumps([[n, list(p.shape), str(p.dtype)] for n, p in named]).encode()
+    length = torch.tensor([len(mine)], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
+    group.all_gather(lengths, length).wait()
+    longest = max(int(t.item()) for t in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    everyone = [torch.zeros(longest, dtype=torch.uint8) for _ in range(group.size)]
+    group.all_gather(everyone, padded).wait()
+    specs = [json.loads(bytes(t[:int(n.item())].tolist()).decode()) for t, n in zip(everyone, lengths, strict=True)]
+    for rank, spec in enumerate(specs):
+        if spec == specs[0]:
+            continue
+        for index in range(max(len(spec), len(specs[0]))):
+            theirs = spec[index] if index < len(spec) else None
+            ours = specs[0][index] if index < len(specs[0]) else None
+            if theirs != ours:
+                raise ValueError(f"DistributedDataParallel: parameter #{index} differs between ranks "
+                                 f"{group.ranks[0]} ({_describe(ours)}) and {group.ranks[rank]} "
+                                 f"({_describe(theirs)}); every rank must wrap the same model")
+
+
+def _describe(spec: list | None) -> str:
+    return "absent" if spec is None else f"{spec[0]}: {spec[2].removeprefix('torch.')}{spec[1]}"
