@@ -1,4 +1,5 @@
-"""The `shoal` command. `shoal bench NAME [ARGS...]` runs a side-by-side benchmark from benchmarks/."""
+"""The `shoal` command: `shoal run` (the launcher), `shoal bench NAME` (a side-by-side benchmark from
+benchmarks/)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,15 @@ def _bench(name: str, args: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "run":  # the launcher parses its own (torchrun-style) flags
+        from shoal.elastic.launcher import main as launch
+
+        launch(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="shoal", description="shoal: distributed training for PyTorch")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("run", help="launch workers, as torchrun does (shoal run --help)")
     bench = commands.add_parser("bench", help="run a benchmark beside PyTorch's own component",
                                 description="Run benchmarks/NAME.py; arguments after NAME go to it.")
     bench.add_argument("name", choices=BENCHMARKS)

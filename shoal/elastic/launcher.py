@@ -1,0 +1,226 @@
+"""The launcher behind `shoal run` (and `python -m shoal.run`): start one worker process per local
+rank with torchrun's environment, prefix their output with the rank, and stop them all together.
+
+    shoal run --nproc-per-node 2 train.py --epochs 3
+    shoal run --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29500 --nproc-per-node 4 -m my.module
+
+When a worker fails, the others are stopped and the failure is reported (rank, exit code, the tail
+of its output); with `--max-restarts K` all workers are restarted instead, up to K times, each
+attempt on a fresh rendezvous port so that no attempt reads keys another one left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+_GRACE_S = 10.0  # how long stopped workers get between SIGTERM and SIGKILL
+_TAIL_LINES = 20
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    nproc_per_node: int = 1
+    """Worker processes on this node."""
+    nnodes: int = 1
+    """Nodes in the job (static membership)."""
+    node_rank: int = 0
+    """This node's index, 0..nnodes-1."""
+    master_addr: str = "127.0.0.1"
+    """Where global rank 0 serves the rendezvous store."""
+    master_port: int | None = None
+    """Its port; None picks a free one (single node only)."""
+    max_restarts: int = 0
+    """How many times to restart all workers after a failure."""
+    command: list[str] = field(default_factory=list)
+    """What each worker runs, after the Python interpreter: a script and its args, or -m module args."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1 or self.nnodes < 1:
+            raise ValueError(f"--nproc-per-node ({self.nproc_per_node}) and --nnodes ({self.nnodes}) must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("with --nnodes > 1, give every node the same --rdzv-endpoint host:port")
+        if self.nnodes > 1 and self.max_restarts:
+            raise ValueError("--max-restarts needs every node to restart together; with static multi-node "
+                             "membership run it with --nnodes 1 per job, or restart the whole job")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if not self.command:
+            raise ValueError("nothing to run: give a script (and its arguments) or -m module")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Worker pre-exec: get SIGKILL if the launcher dies, so no worker outlives it (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own signal handling still stops workers
+
+
+class _Worker:
+    def __init__(self, local_rank: int, rank: int, env: dict[str, str], command: list[str]) -> None:
+        self.rank = rank
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.proc = subprocess.Popen([sys.executable, "-u", *command], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self.pump = threading.Thread(target=self._forward, name=f"shoal-out-{rank}", daemon=True)
+        self.pump.start()
+
+    def _forward(self) -> None:
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            sys.stdout.write(f"[rank{self.rank}]: {line}\n")
+            sys.stdout.flush()
+
+
+class Launcher:
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.secret = os.environ.get("SHOAL_SECRET") or (secrets.token_hex(32) if config.nnodes == 1 else "")
+        self._workers: list[_Worker] = []
+        self._stopping = threading.Event()
+
+    def run(self) -> int:
+        """Run the job to the end; returns the exit code for the launcher's own process."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for attempt in range(self.config.max_restarts + 1):
+                failed = self._attempt(attempt)
+                if failed is None:
+                    return 0
+                if self._stopping.is_set():
+                    return 128 + signal.SIGTERM
+                worker, code = failed
+                print(f"shoal run: rank {worker.rank} failed with exit code {code} (attempt {attempt + 1} of "
+                      f"{self.config.max_restarts + 1}); its last output:", file=sys.stderr)
+                for line in worker.tail:
+                    print(f"    {line}", file=sys.stderr)
+                if attempt < self.config.max_restarts:
+                    print("shoal run: restarting all workers", file=sys.stderr)
+            return 1
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _attempt(self, attempt: int) -> tuple[_Worker, int] | None:
+        cfg = self.config
+        port = cfg.master_port if cfg.master_port is not None else _free_port(cfg.master_addr)
+        world = cfg.nnodes * cfg.nproc_per_node
+        base = dict(os.environ, MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                    LOCAL_WORLD_SIZE=str(cfg.nproc_per_node), SHOAL_RESTART_COUNT=str(attempt))
+        if self.secret:
+            base["SHOAL_SECRET"] = self.secret
+        self._workers = []
+        for local in range(cfg.nproc_per_node):
+            rank = cfg.node_rank * cfg.nproc_per_node + local
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(local))
+            self._workers.append(_Worker(local, rank, env, cfg.command))
+        try:
+            return self._watch()
+        finally:
+            self._stop_all()
+
+    def _watch(self) -> tuple[_Worker, int] | None:
+        """Wait until every worker has exited 0 (None) or one has failed (that worker, its code)."""
+        running = list(self._workers)
+        while running and not self._stopping.is_set():
+            for worker in list(running):
+                code = worker.proc.poll()
+                if code is None:
+                    continue
+                running.remove(worker)
+                if code != 0:
+                    worker.pump.join(timeout=2)
+                    return worker, code
+            if running:
+                try:
+                    running[0].proc.wait(timeout=0.1)
+                except subprocess.TimeoutExpired:
+                    pass
+        if self._stopping.is_set():
+            return self._workers[0], 128 + signal.SIGTERM
+        for worker in self._workers:
+            worker.pump.join(timeout=5)
+        return None
+
+    def _stop_all(self) -> None:
+        alive = [w for w in self._workers if w.proc.poll() is None]
+        for worker in alive:
+            worker.proc.terminate()
+        deadline = time.monotonic() + _GRACE_S
+        for worker in alive:
+            try:
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+                worker.proc.wait()
+        for worker in self._workers:
+            worker.pump.join(timeout=2)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stopping.set()
+        for worker in self._workers:
+            if worker.proc.poll() is None:
+                worker.proc.send_signal(signum)
+
+
+def parse_args(argv: list[str]) -> LaunchConfig:
+    """torchrun's flags, in both spellings (--nproc-per-node and --nproc_per_node)."""
+    parser = argparse.ArgumentParser(prog="shoal run", description="Start one worker per local rank.")
+
+    def flag(name: str, **kwargs) -> None:
+        parser.add_argument(f"--{name}", f"--{name.replace('-', '_')}", dest=name.replace("-", "_"), **kwargs)
+
+    flag("nproc-per-node", type=int, default=1)
+    flag("nnodes", type=str, default="1", help="N (static); MIN:MAX is accepted only when MIN == MAX")
+    flag("node-rank", type=int, default=0)
+    flag("rdzv-endpoint", type=str, default=None, help="host:port of global rank 0's store")
+    flag("master-addr", type=str, default=None)
+    flag("master-port", type=int, default=None)
+    flag("max-restarts", type=int, default=0)
+    parser.add_argument("-m", dest="module", help="run a module, as python -m does")
+    parser.add_argument("script", nargs="?", help="the training script")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script or module")
+    args = parser.parse_args(argv)
+
+    low, _, high = args.nnodes.partition(":")
+    if high and high != low:
+        parser.error(f"--nnodes {args.nnodes}: elastic membership is not supported; give a fixed node count")
+    host, port = args.master_addr or "127.0.0.1", args.master_port
+    if args.rdzv_endpoint:
+        host, _, port_text = args.rdzv_endpoint.rpartition(":")
+        if not host or not port_text.isdigit():
+            parser.error(f"--rdzv-endpoint {args.rdzv_endpoint!r} must be host:port")
+        port = int(port_text)
+    if args.module:
+        command = ["-m", args.module, *([args.script] if args.script else []), *args.args]
+    else:
+        command = [args.script, *args.args] if args.script else []
+    try:
+        return LaunchConfig(nproc_per_node=args.nproc_per_node, nnodes=int(low), node_rank=args.node_rank,
+                            master_addr=host, master_port=port, max_restarts=args.max_restarts, command=command)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(Launcher(parse_args(sys.argv[1:] if argv is None else argv)).run())

@@ -1,0 +1,6 @@
+"""Prints the launcher's environment, one line per rank."""
+
+import os
+
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+print(" ".join(f"{k}={os.environ[k]}" for k in keys), f"SECRET={os.environ.get('SHOAL_SECRET', '')[:8]}")

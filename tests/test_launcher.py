@@ -1,0 +1,110 @@
+"""The `shoal run` launcher end to end: environment, rank-prefixed output, failure reports, restarts,
+signals reaching every worker, two launchers forming one static multi-node job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.ranks import free_port
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _launch(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shoal.run", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_workers_get_torchrun_environment_and_prefixed_output() -> None:
+    result = _launch("--nproc_per_node", "2", str(SCRIPTS / "show_env.py"))
+    assert result.returncode == 0, result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("[rank"))
+    assert len(lines) == 2
+    for rank, line in enumerate(lines):
+        assert line.startswith(f"[rank{rank}]: RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
+                               f"MASTER_ADDR=127.0.0.1 MASTER_PORT="), line
+    secrets = {line.split("SECRET=")[1] for line in lines}
+    assert len(secrets) == 1 and len(secrets.pop()) == 8  # one fresh secret, shared by the job
+
+
+def test_a_failing_worker_stops_the_job_and_is_reported() -> None:
+    result = _launch("--nproc-per-node", "2", str(SCRIPTS / "fail_once.py"), "always")
+    assert result.returncode != 0
+    assert "rank 1 failed with exit code 3" in result.stderr, result.stderr
+    assert "boom: simulated failure" in result.stderr  # the tail of its output
+    assert "sum" not in result.stdout  # rank 0 was stopped, not left to finish
+
+
+def test_max_restarts_restarts_every_worker() -> None:
+    result = _launch("--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPTS / "fail_once.py"))
+    assert result.returncode == 0, result.stderr
+    assert "restarting all workers" in result.stderr
+    assert sorted(line for line in result.stdout.splitlines() if "sum" in line) == [
+        "[rank0]: attempt 1 sum 6", "[rank1]: attempt 1 sum 6"]
+
+
+def test_sigterm_reaches_every_worker_and_leaves_no_orphans(tmp_path: Path) -> None:
+    launcher = subprocess.Popen([sys.executable, "-m", "shoal.run", "--nproc-per-node", "2",
+                                 str(SCRIPTS / "sleep_and_record.py"), str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = 0
+        for line in launcher.stdout:  # each worker says "ready" once its PID is on disk
+            ready += "ready" in line
+            if ready == 2:
+                break
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) != 0
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                _wait_gone(pid)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def _wait_gone(pid: int) -> None:
+    """Raise ProcessLookupError once `pid` is gone (a zombie counts as gone); return if it lives on."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    raise ProcessLookupError(pid)
+        except FileNotFoundError:
+            raise ProcessLookupError(pid) from None
+        time.sleep(0.1)  # the worker is exiting after SIGTERM; poll its state briefly
+
+
+def test_two_launchers_form_one_static_multi_node_job() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "shoal.run", "--nnodes", "2", "--node-rank", str(node),
+                               "--rdzv-endpoint", endpoint, "--nproc-per-node", "2",
+                               str(SCRIPTS / "all_reduce_sum.py")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={k: v for k, v in os.environ.items() if k != "SHOAL_SECRET"})
+             for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=90)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert [node.returncode for node in nodes] == [0, 0]
+    assert "[rank0]: sum 10 of world 4" in outputs[0] and "[rank1]: sum 10 of world 4" in outputs[0]
+    assert "[rank2]: sum 10 of world 4" in outputs[1] and "[rank3]: sum 10 of world 4" in outputs[1]
+
+
+def test_bad_launcher_arguments_are_refused() -> None:
+    assert "node-rank 2 is outside" in _launch("--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint",
+                                               "127.0.0.1:1", "x.py").stderr
+    assert "elastic membership" in _launch("--nnodes", "1:4", "x.py").stderr
+    assert "nothing to run" in _launch("--nproc-per-node", "2").stderr
