@@ -16,7 +16,7 @@ $(VENV)/.ready: pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/shoal bench allreduce --quick
+	$(VENV)/bin/shoal demo
 
 test: setup
 	$(VENV)/bin/ruff check .

@@ -1,5 +1,5 @@
-"""The `shoal` command: `shoal run` (the launcher), `shoal bench NAME` (a side-by-side benchmark from
-benchmarks/)."""
+"""The `shoal` command: `shoal run` (the launcher), `shoal demo` (the main job), `shoal bench NAME`
+(a side-by-side benchmark from benchmarks/)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="shoal", description="shoal: distributed training for PyTorch")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("run", help="launch workers, as torchrun does (shoal run --help)")
+    demo = commands.add_parser("demo", help="the main job: train a CNN on the digits data with DDP")
+    demo.add_argument("--workers", type=int, default=2)
+    demo.add_argument("--epochs", type=int, default=10)
+    demo.add_argument("--backend", default="shoal", choices=["shoal", "gloo"])
     bench = commands.add_parser("bench", help="run a benchmark beside PyTorch's own component",
                                 description="Run benchmarks/NAME.py; arguments after NAME go to it.")
     bench.add_argument("name", choices=BENCHMARKS)
@@ -38,6 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "bench":
         _bench(args.name, args.args)
+    elif args.command == "demo":
+        from shoal.elastic.launcher import LaunchConfig, Launcher
+
+        command = ["-m", "shoal.demo", "--epochs", str(args.epochs), "--backend", args.backend]
+        sys.exit(Launcher(LaunchConfig(nproc_per_node=args.workers, command=command)).run())
 
 
 if __name__ == "__main__":

@@ -85,11 +85,26 @@ class _Worker:
         self.pump.start()
 
     def _forward(self) -> None:
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.tail.append(line)
-            sys.stdout.write(f"[rank{self.rank}]: {line}\n")
-            sys.stdout.flush()
+        """Copy the worker's output, each line prefixed with its rank. A segment ending in a carriage
+        return (a progress bar redrawing itself) is passed on as such, so it still redraws in place."""
+        pending = b""
+        for chunk in iter(lambda: self.proc.stdout.read1(1 << 16), b""):
+            pending += chunk
+            while (end := _line_end(pending)) >= 0:
+                text, terminator = pending[:end].decode(errors="replace"), pending[end:end + 1].decode()
+                pending = pending[end + 1:]
+                if terminator == "\n":
+                    self.tail.append(text)
+                sys.stdout.write(f"[rank{self.rank}]: {text}{terminator}" if text else terminator)
+                sys.stdout.flush()
+        if pending:
+            self.tail.append(pending.decode(errors="replace"))
+            sys.stdout.write(f"[rank{self.rank}]: {self.tail[-1]}\n")
+
+
+def _line_end(data: bytes) -> int:
+    ends = [i for i in (data.find(b"\n"), data.find(b"\r")) if i >= 0]
+    return min(ends) if ends else -1
 
 
 class Launcher:
