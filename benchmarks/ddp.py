@@ -1,0 +1,172 @@
+"""DDP step-time benchmark: shoal's DistributedDataParallel beside torch.nn.parallel's, same model, data
+and backend, in the same processes (world size 2).
+
+    python benchmarks/ddp.py            # or: shoal bench ddp
+    python benchmarks/ddp.py --steps 10
+
+A step is zero_grad, forward, loss, backward and an SGD step. Besides the median step time it
+reports the share of all-reduce time hidden behind backward: 1 - (DDP step - compute-only step) /
+(time to all-reduce every gradient once, alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import queue
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+MODELS = ("mlp-10M", "digits-cnn")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model_and_batch(name: str, rank: int):
+    import torch
+    from torch import nn
+
+    from shoal.demo import digits_cnn
+
+    torch.manual_seed(0)
+    if name == "mlp-10M":
+        model = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                              nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                              nn.Linear(1024, 10))
+        gen = torch.Generator().manual_seed(rank)
+        batch = (torch.randn(64, 1024, generator=gen), torch.randint(0, 10, (64,), generator=gen))
+    else:
+        model = digits_cnn()
+        gen = torch.Generator().manual_seed(rank)
+        batch = (torch.rand(32, 1, 8, 8, generator=gen), torch.randint(0, 10, (32,), generator=gen))
+    return model, batch
+
+
+def _median_step(model, batch, steps: int, barrier) -> float:
+    import torch
+    from torch import nn
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times = []
+    for i in range(steps + 3):
+        barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+        if i >= 3:  # warm-up steps build buffers and caches
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _worker(rank: int, ports: tuple[int, int], steps: int, results) -> None:
+    import torch
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import shoal.distributed as dist
+    from shoal.comm.native import ShoalProcessGroup
+    from shoal.comm.rendezvous import Endpoint, join
+    from shoal.parallel import DistributedDataParallel as ShoalDDP
+
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=300)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2, timeout=timeout)
+    gloo = dist.default_group()
+    native = ShoalProcessGroup.create(join(Endpoint("127.0.0.1", ports[1], rank, 2), timeout), rank, 2, timeout,
+                                      "127.0.0.1")
+    rows = []
+    for name in MODELS:
+        row = {"model": name}
+        model, batch = _model_and_batch(name, rank)
+        row["params"] = sum(p.numel() for p in model.parameters())
+        row["compute"] = _median_step(model, batch, steps, tdist.barrier)
+        flat = torch.zeros(row["params"])
+        for label, group in (("gloo", gloo), ("shoal", native)):
+            row[f"comm {label}"] = _median_step_comm(lambda g=group, t=flat: g.all_reduce(t).wait(), steps,
+                                                     tdist.barrier)
+        row["torch DDP (gloo)"] = _median_step(TorchDDP(_model_and_batch(name, rank)[0]), batch, steps, tdist.barrier)
+        row["shoal DDP (gloo)"] = _median_step(ShoalDDP(_model_and_batch(name, rank)[0], process_group=gloo), batch,
+                                               steps, tdist.barrier)
+        row["shoal DDP (shoal)"] = _median_step(ShoalDDP(_model_and_batch(name, rank)[0], process_group=native),
+                                                batch, steps, tdist.barrier)
+        seconds = torch.tensor([row[k] for k in row if isinstance(row[k], float)], dtype=torch.float64)
+        tdist.all_reduce(seconds, op=tdist.ReduceOp.MAX)  # the slower rank sets the pace
+        for key, value in zip([k for k in row if isinstance(row[k], float)], seconds.tolist(), strict=True):
+            row[key] = value
+        rows.append(row)
+    if rank == 0:
+        results.put(rows)
+    native.shutdown()
+    dist.destroy_process_group()
+
+
+def _median_step_comm(op, steps: int, barrier) -> float:
+    times = []
+    for i in range(steps + 3):
+        barrier()
+        start = time.perf_counter()
+        op()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(steps: int) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ports = (_free_port(), _free_port())
+    procs = [ctx.Process(target=_worker, args=(r, ports, steps, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        while True:
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"benchmark rank {failed[0]} exited with code "
+                                       f"{procs[failed[0]].exitcode}") from None
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def _hidden(step: float, compute: float, comm: float) -> str:
+    return f"{min(1.0, max(0.0, 1 - (step - compute) / comm)):.0%}"
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| model | params | compute only | torch DDP (gloo) | shoal DDP (gloo) | ratio | shoal DDP (shoal) | "
+             "ratio | all-reduce hidden: torch / shoal (gloo) / shoal (shoal) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        torch_t, ours_gloo, ours_native = r["torch DDP (gloo)"], r["shoal DDP (gloo)"], r["shoal DDP (shoal)"]
+        hidden = " / ".join([_hidden(torch_t, r["compute"], r["comm gloo"]),
+                             _hidden(ours_gloo, r["compute"], r["comm gloo"]),
+                             _hidden(ours_native, r["compute"], r["comm shoal"])])
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['compute'] * 1e3:.1f} ms | "
+                     f"{torch_t * 1e3:.1f} ms | {ours_gloo * 1e3:.1f} ms | {ours_gloo / torch_t:.2f}x | "
+                     f"{ours_native * 1e3:.1f} ms | {ours_native / torch_t:.2f}x | {hidden} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration (median taken)")
+    args = parser.parse_args(argv)
+    print("\n".join(table(run(args.steps))))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
