@@ -55,6 +55,7 @@ class DistributedDataParallel(nn.Module):
         self._hook: Callable[[Any, GradBucket], Pending] = allreduce_hook
         self._hook_state: Any = self.process_group
         self._require_sync = True
+        self._step_syncs = True  # decided at forward, as torch does: no_sync() around forward is enough
         self._in_backward = False
         self._next_launch = 0
         self._inflight: list[Pending | None] = [None] * len(self.buckets)
@@ -89,11 +90,7 @@ class DistributedDataParallel(nn.Module):
     # ---- forward and backward ----------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._require_sync:
-            for bucket in self.buckets:
-                bucket.reset()
-            self._next_launch = 0
-            self.launched_in_backward = 0
+        self._step_syncs = self._require_sync
         if self.broadcast_buffers and self.process_group.size > 1:
             with torch.no_grad():
                 for buffer in self.module.buffers():
@@ -102,10 +99,14 @@ class DistributedDataParallel(nn.Module):
 
     def _make_grad_hook(self, bucket: Bucket, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            if not self._require_sync:
+            if not self._step_syncs:
                 return
-            if not self._in_backward:
+            if not self._in_backward:  # the first gradient of this backward
                 self._in_backward = True
+                for each in self.buckets:
+                    each.reset()
+                self._next_launch = 0
+                self.launched_in_backward = 0
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             view = bucket.view(i)
             if param.grad.data_ptr() != view.data_ptr():
