@@ -1,0 +1,6 @@
+"""Atomic, verified, optionally asynchronous checkpoints, and the RNG state that makes resumption exact."""
+
+from shoal.checkpoint.manager import Checkpoint, CheckpointManager
+from shoal.checkpoint.rng import capture_rng, restore_rng
+
+__all__ = ["Checkpoint", "CheckpointManager", "capture_rng", "restore_rng"]
