@@ -42,13 +42,14 @@ def _batch(kind: str, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(shape, generator=gen, dtype=torch.float64), torch.randint(0, 3, (BATCH,), generator=gen)
 
 
-def _reference_grads(kind: str, world: int, steps: list[int]) -> dict[str, torch.Tensor]:
-    """One process, one model, the concatenation of every rank's batch (summed over `steps`)."""
+def _reference_grads(kind: str, world: int, steps: list[int],
+                     ranks: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """One process, one model, the concatenation of the ranks' batches (summed over `steps`)."""
     net = _model(kind)
     if kind == "cnn":
         net.eval()  # batch statistics would differ between one big batch and per-rank batches
     for step in steps:
-        xs, ys = zip(*[_batch(kind, r, step) for r in range(world)], strict=True)
+        xs, ys = zip(*[_batch(kind, r, step) for r in (ranks if ranks is not None else range(world))], strict=True)
         nn.functional.cross_entropy(net(torch.cat(xs)), torch.cat(ys)).backward()
     return {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
 
@@ -77,11 +78,17 @@ def _train_and_compare(rank: int, world: int, kind: str, bucket_cap_mb: float, a
         torch.testing.assert_close(grad, want[name], rtol=1e-12, atol=1e-12, msg=name)
 
     # Gradient accumulation: two steps under no_sync, the third synchronizes the sum of all three.
+    views = not as_view or all(any(p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+                                   for b in ddp.buckets) for p in net.parameters())
     net.zero_grad()
     with ddp.no_sync():
         for step in (1, 2):
             x, y = _batch(kind, rank, step)
             nn.functional.cross_entropy(ddp(x), y).backward()
+    local = _reference_grads(kind, world, [1, 2], ranks=[rank])  # nothing was averaged yet
+    for name, param in net.named_parameters():
+        if name in local:
+            torch.testing.assert_close(param.grad, local[name], rtol=1e-12, atol=1e-12, msg=f"local {name}")
     x, y = _batch(kind, rank, 3)
     nn.functional.cross_entropy(ddp(x), y).backward()
     want = _reference_grads(kind, world, [1, 2, 3])
@@ -96,8 +103,7 @@ def _train_and_compare(rank: int, world: int, kind: str, bucket_cap_mb: float, a
         x, y = _batch(kind, rank, step)
         nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()
-    return {"params": [p.detach().clone() for p in net.parameters()], "buckets": len(ddp.buckets),
-            "early": ddp.launched_in_backward}
+    return {"params": [p.detach().clone() for p in net.parameters()], "views": views}
 
 
 @pytest.mark.parametrize("backend", ["shoal", "gloo"])
@@ -107,9 +113,51 @@ def test_ddp_gradients_equal_single_process(backend: str, world: int) -> None:
     # bucket views; a model with an unused branch under find_unused_parameters.
     out = run_ranks(_all_cases, world, backend=backend, timeout=120)
     for (kind, _, _), *results in zip(_CASES, *(out[r] for r in range(world)), strict=True):
+        assert all(r["views"] for r in results), f"{kind}: .grad is not a view of the bucket"
         for rank in range(1, world):
             for a, b in zip(results[0]["params"], results[rank]["params"], strict=True):
                 assert torch.equal(a, b), f"{kind}: rank {rank} drifted from rank 0"
+
+
+class _Optional(nn.Module):
+    """A head that a rank may or may not use in a given step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.extra = nn.Linear(10, 3), nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        return self.body(x) + self.extra(x) if use_extra else self.body(x)
+
+
+def _optional_model() -> nn.Module:
+    torch.manual_seed(0)
+    return _Optional().double()
+
+
+def _partially_unused(rank: int, world: int) -> dict[str, torch.Tensor]:
+    from shoal.parallel import DistributedDataParallel
+
+    net = _optional_model()
+    ddp = DistributedDataParallel(net, find_unused_parameters=True)
+    with ddp.no_sync():  # every rank uses the extra head here...
+        x, y = _batch("mlp", rank, 0)
+        nn.functional.cross_entropy(ddp(x, True), y).backward()
+    x, y = _batch("mlp", rank, 1)  # ...and only rank 1 in the step that synchronizes
+    nn.functional.cross_entropy(ddp(x, rank == 1), y).backward()
+    return {n: p.grad.clone() for n, p in net.named_parameters()}
+
+
+def test_parameters_unused_on_some_ranks_average_with_what_others_accumulated() -> None:
+    out = run_ranks(_partially_unused, 2)
+    net = _optional_model()
+    for rank in range(2):  # the mean of the ranks' losses, summed over both steps, in one process
+        for step, use in ((0, True), (1, rank == 1)):
+            x, y = _batch("mlp", rank, step)
+            (nn.functional.cross_entropy(net(x, use), y) / 2).backward()
+    for rank in range(2):
+        for name, param in net.named_parameters():
+            torch.testing.assert_close(out[rank][name], param.grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def _overlap(rank: int, world: int) -> tuple[int, int]:

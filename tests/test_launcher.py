@@ -30,8 +30,15 @@ def test_workers_get_torchrun_environment_and_prefixed_output() -> None:
     for rank, line in enumerate(lines):
         assert line.startswith(f"[rank{rank}]: RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
                                f"MASTER_ADDR=127.0.0.1 MASTER_PORT="), line
-    secrets = {line.split("SECRET=")[1] for line in lines}
+    secrets = {line.split("SECRET=")[1].split()[0] for line in lines}
     assert len(secrets) == 1 and len(secrets.pop()) == 8  # one fresh secret, shared by the job
+
+
+def test_module_mode_passes_flags_through_to_the_module() -> None:
+    # As with torchrun, everything after the module name belongs to the module, even launcher-like flags.
+    result = _launch("--nproc-per-node", "1", "-m", "tests.scripts.show_env", "--epochs", "3", "--max-restarts", "2")
+    assert result.returncode == 0, result.stderr
+    assert "ARGS=['--epochs', '3', '--max-restarts', '2']" in result.stdout
 
 
 def test_a_failing_worker_stops_the_job_and_is_reported() -> None:
@@ -63,6 +70,8 @@ def test_sigterm_reaches_every_worker_and_leaves_no_orphans(tmp_path: Path) -> N
         pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=30) != 0
+        for rank in range(2):  # the launcher passed the signal on: each worker's handler ran
+            assert (tmp_path / f"got-sigterm{rank}").read_text() == "yes"
         for pid in pids:
             with pytest.raises(ProcessLookupError):
                 _wait_gone(pid)

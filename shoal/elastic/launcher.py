@@ -67,22 +67,50 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Worker pre-exec: get SIGKILL if the launcher dies, so no worker outlives it (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the launcher's own signal handling still stops workers
+try:  # looked up here, not in the forked child, where loading a library could deadlock
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None  # not Linux: the launcher's own signal handling still stops workers
+
+
+def _die_with(launcher_pid: int):
+    def pre_exec() -> None:
+        """In the worker before exec: get SIGKILL when the launcher dies, so no worker outlives it."""
+        if _PRCTL is not None:
+            _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != launcher_pid:  # the launcher died before the line above took effect
+            os._exit(1)
+    return pre_exec
 
 
 class _Worker:
-    def __init__(self, local_rank: int, rank: int, env: dict[str, str], command: list[str]) -> None:
+    def __init__(self, local_rank: int, rank: int, env: dict[str, str], command: list[str],
+                 changed: threading.Condition) -> None:
         self.rank = rank
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        # Its own session: signals reach the worker and whatever it starts through its process group,
+        # sent by the launcher, and a terminal's Ctrl-C does not hit workers before the launcher decides.
         self.proc = subprocess.Popen([sys.executable, "-u", *command], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with(os.getpid()))
+        self.exited_at: float | None = None
+        self._changed = changed
         self.pump = threading.Thread(target=self._forward, name=f"shoal-out-{rank}", daemon=True)
         self.pump.start()
+        threading.Thread(target=self._note_exit, name=f"shoal-wait-{rank}", daemon=True).start()
+
+    def _note_exit(self) -> None:
+        self.proc.wait()
+        with self._changed:
+            self.exited_at = time.monotonic()
+            self._changed.notify_all()
+
+    def signal(self, signum: int) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signum)
+            except ProcessLookupError:
+                pass
 
     def _forward(self) -> None:
         """Copy the worker's output, each line prefixed with its rank. A segment ending in a carriage
@@ -95,11 +123,18 @@ class _Worker:
                 pending = pending[end + 1:]
                 if terminator == "\n":
                     self.tail.append(text)
-                sys.stdout.write(f"[rank{self.rank}]: {text}{terminator}" if text else terminator)
-                sys.stdout.flush()
+                self._write(f"[rank{self.rank}]: {text}{terminator}" if text else terminator)
         if pending:
             self.tail.append(pending.decode(errors="replace"))
-            sys.stdout.write(f"[rank{self.rank}]: {self.tail[-1]}\n")
+            self._write(f"[rank{self.rank}]: {self.tail[-1]}\n")
+
+    @staticmethod
+    def _write(text: str) -> None:
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except OSError:
+            pass  # our stdout is gone (| head): keep draining the worker so it never blocks on output
 
 
 def _line_end(data: bytes) -> int:
@@ -113,6 +148,8 @@ class Launcher:
         self.secret = os.environ.get("SHOAL_SECRET") or (secrets.token_hex(32) if config.nnodes == 1 else "")
         self._workers: list[_Worker] = []
         self._stopping = threading.Event()
+        # Reentrant: the signal handler notifies it from the main thread, which may hold it already.
+        self._changed = threading.Condition(threading.RLock())
 
     def run(self) -> int:
         """Run the job to the end; returns the exit code for the launcher's own process."""
@@ -148,45 +185,41 @@ class Launcher:
         for local in range(cfg.nproc_per_node):
             rank = cfg.node_rank * cfg.nproc_per_node + local
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(local))
-            self._workers.append(_Worker(local, rank, env, cfg.command))
+            self._workers.append(_Worker(local, rank, env, cfg.command, self._changed))
         try:
             return self._watch()
         finally:
             self._stop_all()
 
     def _watch(self) -> tuple[_Worker, int] | None:
-        """Wait until every worker has exited 0 (None) or one has failed (that worker, its code)."""
-        running = list(self._workers)
-        while running and not self._stopping.is_set():
-            for worker in list(running):
-                code = worker.proc.poll()
-                if code is None:
+        """Wait until every worker has exited 0 (None) or one has failed: then the worker that failed
+        first (the others may only be failing because it did) and its exit code."""
+        while not self._stopping.is_set():
+            with self._changed:
+                exited = [w for w in self._workers if w.exited_at is not None]
+                failed = sorted((w for w in exited if w.proc.returncode != 0), key=lambda w: w.exited_at)
+                if not failed and len(exited) < len(self._workers):
+                    self._changed.wait(timeout=1.0)
                     continue
-                running.remove(worker)
-                if code != 0:
-                    worker.pump.join(timeout=2)
-                    return worker, code
-            if running:
-                try:
-                    running[0].proc.wait(timeout=0.1)
-                except subprocess.TimeoutExpired:
-                    pass
-        if self._stopping.is_set():
-            return self._workers[0], 128 + signal.SIGTERM
-        for worker in self._workers:
-            worker.pump.join(timeout=5)
-        return None
+            if failed:
+                failed[0].pump.join(timeout=2)
+                return failed[0], failed[0].proc.returncode
+            for worker in self._workers:
+                worker.pump.join(timeout=5)
+            return None
+        return self._workers[0], 128 + signal.SIGTERM
 
     def _stop_all(self) -> None:
         alive = [w for w in self._workers if w.proc.poll() is None]
-        for worker in alive:
-            worker.proc.terminate()
+        if not self._stopping.is_set():  # after Ctrl-C/SIGTERM the workers already have the signal
+            for worker in alive:
+                worker.signal(signal.SIGTERM)
         deadline = time.monotonic() + _GRACE_S
         for worker in alive:
             try:
                 worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                worker.proc.kill()
+                worker.signal(signal.SIGKILL)
                 worker.proc.wait()
         for worker in self._workers:
             worker.pump.join(timeout=2)
@@ -194,8 +227,9 @@ class Launcher:
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stopping.set()
         for worker in self._workers:
-            if worker.proc.poll() is None:
-                worker.proc.send_signal(signum)
+            worker.signal(signum)
+        with self._changed:
+            self._changed.notify_all()
 
 
 def parse_args(argv: list[str]) -> LaunchConfig:
@@ -212,8 +246,9 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     flag("master-addr", type=str, default=None)
     flag("master-port", type=int, default=None)
     flag("max-restarts", type=int, default=0)
-    parser.add_argument("-m", dest="module", help="run a module, as python -m does")
-    parser.add_argument("script", nargs="?", help="the training script")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="SCRIPT is a module name, run as python -m does (as torchrun's -m)")
+    parser.add_argument("script", nargs="?", help="the training script (or module, with -m)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script or module")
     args = parser.parse_args(argv)
 
@@ -226,10 +261,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         if not host or not port_text.isdigit():
             parser.error(f"--rdzv-endpoint {args.rdzv_endpoint!r} must be host:port")
         port = int(port_text)
-    if args.module:
-        command = ["-m", args.module, *([args.script] if args.script else []), *args.args]
-    else:
-        command = [args.script, *args.args] if args.script else []
+    command = ([*(["-m"] if args.module else []), args.script, *args.args]) if args.script else []
     try:
         return LaunchConfig(nproc_per_node=args.nproc_per_node, nnodes=int(low), node_rank=args.node_rank,
                             master_addr=host, master_port=port, max_restarts=args.max_restarts, command=command)

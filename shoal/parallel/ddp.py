@@ -60,10 +60,9 @@ class DistributedDataParallel(nn.Module):
         self._next_launch = 0
         self._inflight: list[Pending | None] = [None] * len(self.buckets)
         self.launched_in_backward = 0  # buckets whose reduction began before backward ended (last step)
+        self._prepared = False  # forward has reset the buckets for the backward that follows it
         for bucket in self.buckets:
             for i, param in enumerate(bucket.params):
-                if gradient_as_bucket_view:
-                    param.grad = bucket.view(i)
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(bucket, i))
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -91,22 +90,38 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._step_syncs = self._require_sync
-        if self.broadcast_buffers and self.process_group.size > 1:
+        if self._step_syncs and torch.is_grad_enabled():
+            self._prepare_for_backward()
+        # Only a step that will synchronize takes rank 0's buffers, so that evaluating on one rank alone
+        # (no_grad) involves no collective.
+        if self.broadcast_buffers and self._step_syncs and torch.is_grad_enabled() and self.process_group.size > 1:
             with torch.no_grad():
                 for buffer in self.module.buffers():
                     self.process_group.broadcast(buffer, self.process_group.ranks[0]).wait()
         return self.module(*args, **kwargs)
+
+    def _prepare_for_backward(self) -> None:
+        """Reset the buckets; reductions a failed backward left in flight are finished first, so the
+        ranks' collectives stay paired."""
+        if any(pending is not None for pending in self._inflight):
+            self._drain()
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_launch = 0
+        self.launched_in_backward = 0
+        self._in_backward = False
+        self._prepared = True
 
     def _make_grad_hook(self, bucket: Bucket, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if not self._step_syncs:
                 return
             if not self._in_backward:  # the first gradient of this backward
+                if not self._prepared:
+                    raise RuntimeError("DistributedDataParallel: each synchronized backward needs its own forward "
+                                       "(a second backward through the same graph is not supported)")
+                self._prepared = False
                 self._in_backward = True
-                for each in self.buckets:
-                    each.reset()
-                self._next_launch = 0
-                self.launched_in_backward = 0
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             view = bucket.view(i)
             if param.grad.data_ptr() != view.data_ptr():
@@ -130,23 +145,27 @@ class DistributedDataParallel(nn.Module):
         """Runs once autograd has finished this backward: reduce what is left, wait, write `.grad`."""
         self._in_backward = False
         unused = [(b, i) for b in self.buckets for i, ready in enumerate(b.ready) if not ready]
-        unused_here = {(b.index, i) for b, i in unused}
+        for bucket, i in unused:
+            # Not reached by this backward, but it may hold a gradient accumulated under no_sync().
+            grad = bucket.params[i].grad
+            if grad is None:
+                bucket.view(i).zero_()
+            else:
+                bucket.view(i).copy_(grad)
+            bucket.mark_ready(i)
+        self._launch_ready(in_backward=False)  # every bucket, on every rank: collectives stay paired
         if unused and not self.find_unused_parameters:
-            self._launch_ready(in_backward=False)
             self._drain()
             names = [b.names[i] for b, i in unused]
             raise RuntimeError(f"rank {self.process_group.rank}: parameters {names} got no gradient in this "
                                f"backward; pass find_unused_parameters=True to DistributedDataParallel if "
                                f"parts of the model may be skipped")
-        for bucket, i in unused:
-            bucket.view(i).zero_()
-            bucket.mark_ready(i)
-        self._launch_ready(in_backward=False)
         used = None
         if self.find_unused_parameters:
-            # A parameter unused here may be used elsewhere: only a globally unused one keeps grad None.
-            flags = torch.tensor([0 if (b.index, i) in unused_here else 1
-                                  for b in self.buckets for i in range(len(b.params))], dtype=torch.int32)
+            # A parameter without a gradient here may have one elsewhere: only one that has none on any
+            # rank keeps grad None, as it would in one process.
+            flags = torch.tensor([0 if p.grad is None else 1 for b in self.buckets for p in b.params],
+                                 dtype=torch.int32)
             self.process_group.all_reduce(flags).wait()
             used = iter(flags.tolist())
         for bucket, pending in zip(self.buckets, self._drain(), strict=True):
