@@ -11,22 +11,17 @@ busbw = algbw * 2(n-1)/n (the traffic each link carries in a ring, as nccl-tests
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import queue
-import socket
 import statistics
 import sys
 import time
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
+from benchmarks import _ranks
 
 SIZES = {"4KiB": 4 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _time_ops(op, barrier, nbytes: int, repeats: int) -> float:
@@ -73,27 +68,7 @@ def _worker(rank: int, world_size: int, ports: tuple[int, int], sizes: list[str]
 
 
 def run(world_size: int, sizes: list[str], repeats: int) -> list:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    ports = (_free_port(), _free_port())
-    procs = [ctx.Process(target=_worker, args=(r, world_size, ports, sizes, repeats, results))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
-        while True:
-            try:
-                return results.get(timeout=1.0)
-            except queue.Empty:
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed:
-                    code = procs[failed[0]].exitcode
-                    raise RuntimeError(f"benchmark rank {failed[0]} exited with code {code}") from None
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    return _ranks.run(_worker, world_size, world_size, (_ranks.free_port(), _ranks.free_port()), sizes, repeats)
 
 
 def table(world_size: int, rows: list) -> list[str]:

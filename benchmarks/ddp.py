@@ -12,21 +12,16 @@ reports the share of all-reduce time hidden behind backward: 1 - (DDP step - com
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import queue
-import socket
 import statistics
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
+from benchmarks import _ranks
 
 MODELS = ("mlp-10M", "digits-cnn")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model_and_batch(name: str, rank: int):
@@ -120,26 +115,7 @@ def _median_step_comm(op, steps: int, barrier) -> float:
 
 
 def run(steps: int) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    ports = (_free_port(), _free_port())
-    procs = [ctx.Process(target=_worker, args=(r, ports, steps, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        while True:
-            try:
-                return results.get(timeout=1.0)
-            except queue.Empty:
-                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed:
-                    raise RuntimeError(f"benchmark rank {failed[0]} exited with code "
-                                       f"{procs[failed[0]].exitcode}") from None
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    return _ranks.run(_worker, 2, (_ranks.free_port(), _ranks.free_port()), steps)
 
 
 def _hidden(step: float, compute: float, comm: float) -> str:

@@ -4,6 +4,11 @@ DistributedDataParallel, each worker training on its shard.
     shoal demo                                   # 2 workers, backend "shoal"
     shoal demo --workers 3 --epochs 8 --backend gloo
     shoal run --nproc-per-node 2 -m shoal.demo   # the same worker under the launcher directly
+    shoal run --nproc-per-node 2 --max-restarts 3 -m shoal.demo --checkpoint-dir ckpt   # survives a crash
+
+With --checkpoint-dir the run resumes from the newest valid checkpoint there: same step, epoch and
+place in the epoch, same optimizer state and RNG, so it continues the sample sequence of an
+uninterrupted run exactly.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -18,7 +24,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 import shoal.distributed as dist
+from shoal.checkpoint import CheckpointManager, capture_rng, restore_rng
 from shoal.data import DistributedSampler
+from shoal.elastic.faults import maybe_kill
 from shoal.parallel import DistributedDataParallel
 
 
@@ -51,36 +59,62 @@ def accuracy(model: nn.Module, data: TensorDataset) -> float:
     return correct / len(labels)
 
 
-def train(epochs: int, backend: str, batch_size: int, lr: float, seed: int = 0) -> float:
+def train(epochs: int, backend: str, batch_size: int, lr: float, seed: int = 0,
+          checkpoint_dir: Path | None = None, checkpoint_every: int = 20) -> float:
     """Train under an already launched job (env:// rendezvous); returns the final test accuracy."""
     torch.set_num_threads(1)  # workers share the machine's cores
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     train_set, test_set = digits()
-    model = DistributedDataParallel(digits_cnn())
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    net = digits_cnn()
+    optimizer = torch.optim.Adam(net.parameters(), lr=lr)
+    step, start_epoch, start_batch = 0, 0, 0
+    manager = CheckpointManager(checkpoint_dir, async_save=True) if checkpoint_dir else None
+    latest = manager.load_latest() if manager else None
+    if latest is not None:  # every rank reads the same file, so DDP's broadcast changes nothing
+        net.load_state_dict(latest.state["model"])
+        optimizer.load_state_dict(latest.state["optim"])
+        restore_rng(latest.state["rng"])
+        step, start_epoch, start_batch = latest.step, latest.state["epoch"], latest.state["batch"]
+        if rank == 0:
+            print(f"resuming from {latest.path.name}: step {step}, epoch {start_epoch + 1}, batch {start_batch}",
+                  flush=True)
+    model = DistributedDataParallel(net)
     sampler = DistributedSampler(train_set, seed=seed)
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
     if rank == 0:
         print(f"training on {len(train_set)} digits ({len(sampler)} per worker) with {world} workers, "
               f"backend {backend!r}; {len(test_set)} held out for testing", flush=True)
     started = time.perf_counter()
-    for epoch in range(epochs):
+    for epoch in range(start_epoch, epochs):
         sampler.set_epoch(epoch)
         total = torch.zeros(2, dtype=torch.float64)  # loss sum, samples
-        for images, labels in tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", disable=rank != 0, leave=False,
-                                   file=sys.stdout, mininterval=0.5):
+        batches = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", disable=rank != 0, leave=False,
+                       file=sys.stdout, mininterval=0.5)
+        for batch, (images, labels) in enumerate(batches):
+            if epoch == start_epoch and batch < start_batch:
+                continue  # consumed before the checkpoint we resumed from
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(model(images), labels)
             loss.backward()
             optimizer.step()
+            step += 1
             total += torch.tensor([loss.item() * len(labels), len(labels)], dtype=torch.float64)
+            if manager is not None and step % checkpoint_every == 0:
+                manager.save(step, {"model": net.state_dict(), "optim": optimizer.state_dict(), "rng": capture_rng(),
+                                    "epoch": epoch, "batch": batch + 1})
+            maybe_kill(rank, step)
         dist.all_reduce(total)
         test_accuracy = accuracy(model.module, test_set)
         if rank == 0:
             print(f"epoch {epoch + 1}: loss {total[0] / total[1]:.4f}, test accuracy {test_accuracy:.1%} "
                   f"({time.perf_counter() - started:.1f}s)", flush=True)
+    if manager is not None:
+        manager.wait()
+    if rank == 0:
+        checksum = sum(p.detach().double().sum().item() for p in net.parameters())
+        print(f"final parameter checksum {checksum!r} after {step} steps", flush=True)
     dist.destroy_process_group()
     return test_accuracy
 
@@ -91,8 +125,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="shoal", choices=["shoal", "gloo"])
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--checkpoint-dir", type=Path, help="save here, and resume from the newest valid checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
     args = parser.parse_args(argv)
-    train(args.epochs, args.backend, args.batch_size, args.lr)
+    train(args.epochs, args.backend, args.batch_size, args.lr, checkpoint_dir=args.checkpoint_dir,
+          checkpoint_every=args.checkpoint_every)
 
 
 if __name__ == "__main__":
