@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("allreduce", "ddp")
+BENCHMARKS = ("allreduce", "ddp", "recovery")
 
 
 def _bench(name: str, args: list[str]) -> None:
@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--workers", type=int, default=2)
     demo.add_argument("--epochs", type=int, default=10)
     demo.add_argument("--backend", default="shoal", choices=["shoal", "gloo"])
+    demo.add_argument("--checkpoint-dir", help="checkpoint here and resume from the newest valid checkpoint")
+    demo.add_argument("--max-restarts", type=int, default=0, help="restart all workers after a failure")
     bench = commands.add_parser("bench", help="run a benchmark beside PyTorch's own component",
                                 description="Run benchmarks/NAME.py; arguments after NAME go to it.")
     bench.add_argument("name", choices=BENCHMARKS)
@@ -46,7 +48,10 @@ def main(argv: list[str] | None = None) -> None:
         from shoal.elastic.launcher import LaunchConfig, Launcher
 
         command = ["-m", "shoal.demo", "--epochs", str(args.epochs), "--backend", args.backend]
-        sys.exit(Launcher(LaunchConfig(nproc_per_node=args.workers, command=command)).run())
+        if args.checkpoint_dir:
+            command += ["--checkpoint-dir", args.checkpoint_dir]
+        config = LaunchConfig(nproc_per_node=args.workers, max_restarts=args.max_restarts, command=command)
+        sys.exit(Launcher(config).run())
 
 
 if __name__ == "__main__":

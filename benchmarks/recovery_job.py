@@ -1,0 +1,87 @@
+"""The training job `benchmarks/recovery.py` kills and restarts: the same small DDP job written against
+shoal (`--impl shoal`, under `shoal run`) or against torch.distributed (`--impl torch`, under torchrun).
+
+It checkpoints every `--every` steps, resumes from the newest checkpoint, and prints wall-clock
+times: `death T` just before rank 1 SIGKILLs itself at `--kill-at` in the first attempt, and
+`step N T` after every step, so the driver can measure death-to-first-step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def _first_attempt() -> bool:
+    return os.environ.get("SHOAL_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == "0"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=["shoal", "torch"], required=True)
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--kill-at", type=int, default=25)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.impl == "shoal":
+        import shoal.distributed as dist
+        from shoal.checkpoint import CheckpointManager
+        from shoal.parallel import DistributedDataParallel as DDP
+
+        dist.init_process_group("shoal")
+        rank = dist.get_rank()
+        manager = CheckpointManager(args.dir)
+        latest = manager.load_latest()
+        start, state = (latest.step, latest.state) if latest else (0, None)
+        save = lambda step, s: manager.save(step, s)  # noqa: E731
+    else:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        files = sorted(args.dir.glob("step-*.pt")) if args.dir.exists() else []
+        start = int(files[-1].stem.split("-")[1]) if files else 0
+        state = torch.load(files[-1], weights_only=True) if files else None
+        args.dir.mkdir(parents=True, exist_ok=True)
+
+        def save(step: int, s: dict) -> None:
+            if rank == 0:
+                tmp = args.dir / f".step-{step:06d}.tmp"
+                torch.save(s, tmp)
+                tmp.rename(args.dir / f"step-{step:06d}.pt")
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    if state is not None:
+        net.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+    model = DDP(net)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(start + 1, args.steps + 1):
+        x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        print(f"step {step} {time.time():.6f}", flush=True)
+        if step % args.every == 0:
+            save(step, {"model": net.state_dict(), "optim": optimizer.state_dict()})
+        if step == args.kill_at and rank == 1 and _first_attempt():
+            print(f"death {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    dist.destroy_process_group()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
