@@ -4,9 +4,13 @@ The sender copies a frame's payload into a free slot of its outbound region and 
 header over the (authenticated) TCP connection; the receiver copies the slot into the posted
 buffer and marks the slot free again in the region's flag bytes (the sender alone marks slots
 busy, the receiver alone marks them free). A sender that finds no free slot sends over TCP
-instead, so nothing ever waits for the peer. Regions are files in /dev/shm, mode 0600, named at
-random and announced over the authenticated connection; the creator unlinks the file once the
-peer has mapped it.
+instead, so nothing ever waits for the peer.
+
+A region is anonymous memory (memfd): it has no name in any file system, so nothing can be left
+behind when a process dies. The creator announces `pid:fd:token` over the authenticated
+connection; the peer opens /proc/PID/fd/FD (possible only on the same host, for the same user) and
+checks the random token written at the region's start, so a same-numbered descriptor on another
+host is never mistaken for it. Once the peer has mapped it, the creator closes its descriptor.
 """
 
 from __future__ import annotations
@@ -14,14 +18,15 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import threading
 
 import torch
 
 SLOT_BYTES = 2 << 20  # one ring chunk (ring.CHUNK_BYTES) per slot
 SLOTS = 16
-_FLAGS = 4096  # one byte per slot (1: holds a frame not yet taken), padded to a page
+_TOKEN = slice(SLOTS, SLOTS + 16)  # after the flag bytes: the region's random identity
+_FLAGS = 4096  # one byte per slot (1: holds a frame not yet taken) and the token, padded to a page
 _SIZE = _FLAGS + SLOTS * SLOT_BYTES
-_DIR = "/dev/shm"
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
@@ -30,36 +35,36 @@ def _copy(dst: memoryview, src: memoryview) -> None:
 
 
 def available() -> bool:
-    """Whether to offer lanes: /dev/shm is usable and SHOAL_SHM is not "0" (forces plain TCP)."""
-    return os.environ.get("SHOAL_SHM", "1") != "0" and os.path.isdir(_DIR) and os.access(_DIR, os.W_OK)
+    """Whether to offer lanes: the platform has memfd and /proc (Linux) and SHOAL_SHM is not "0"."""
+    return os.environ.get("SHOAL_SHM", "1") != "0" and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
 class Outbound:
     """Our region towards one peer: slots we fill, and which of them the peer has handed back."""
 
     def __init__(self) -> None:
-        self.name = f"shoal-{secrets.token_hex(16)}"
-        self._path = os.path.join(_DIR, self.name)
-        fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, _SIZE)
-            self._map = mmap.mmap(fd, _SIZE)
-        finally:
-            os.close(fd)
+        token = secrets.token_bytes(16)
+        self._closing = threading.Lock()
+        self._fd: int | None = os.memfd_create("shoal-lane", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, _SIZE)
+        self._map = mmap.mmap(self._fd, _SIZE)
         self._view = memoryview(self._map)
+        self._view[_TOKEN] = token
+        self.name = f"{os.getpid()}:{self._fd}:{token.hex()}"
         self._flags = self._view[:SLOTS]
         self._next = 0
         self.ready = False  # set once the peer has mapped the region
 
     def accepted(self) -> None:
         self.ready = True
-        self.unlink()
+        self.close_descriptor()
 
-    def unlink(self) -> None:
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+    def close_descriptor(self) -> None:
+        """The mapping stays; the descriptor was only there for the peer to open."""
+        with self._closing:  # the reader thread (accepted) and close() may both get here
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     def put(self, payload: memoryview) -> int | None:
         """Copy `payload` into a free slot and return its index, or None (then use TCP).
@@ -84,10 +89,11 @@ class Inbound:
     """The peer's region towards us, which we only read."""
 
     def __init__(self, name: str) -> None:
-        if not name.startswith("shoal-") or "/" in name:
+        pid, fd_number, token = name.split(":")
+        if not (pid.isdigit() and fd_number.isdigit() and len(token) == 32):
             raise ValueError(f"bad shared-memory region name {name!r}")
-        # Mapped writable only because torch cannot wrap a read-only buffer; we never write to it.
-        fd = os.open(os.path.join(_DIR, name), os.O_RDWR)
+        # Mapped writable only because torch cannot wrap a read-only buffer; we only write flag bytes.
+        fd = os.open(f"/proc/{int(pid)}/fd/{int(fd_number)}", os.O_RDWR)
         try:
             if os.fstat(fd).st_size != _SIZE:
                 raise ValueError(f"shared-memory region {name} has the wrong size")
@@ -95,6 +101,8 @@ class Inbound:
         finally:
             os.close(fd)
         self._view = memoryview(self._map)
+        if bytes(self._view[_TOKEN]) != bytes.fromhex(token):
+            raise ValueError(f"{name} is not the region the peer announced (another host?)")
         self._flags = self._view[:SLOTS]
 
     def take(self, slot: int, dst: memoryview) -> None:

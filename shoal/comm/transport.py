@@ -457,7 +457,7 @@ class Transport:
             pass  # a peer that is already gone needs no goodbye
         for peer in peers:
             if peer.lane_out is not None:
-                peer.lane_out.unlink()
+                peer.lane_out.close_descriptor()
             try:
                 peer.sock.shutdown(socket.SHUT_WR)
             except OSError:
