@@ -192,8 +192,6 @@ class Transport:
                 del self._held[key]  # a frame that arrived is delivered, even if its sender has left since
             else:
                 self._check_usable(op, src)
-                if src in self._departed:
-                    raise self._departed[src]
                 if held is None:
                     self._posted[key] = recv
                 else:
@@ -206,8 +204,6 @@ class Transport:
         """Send frame (op, sub) to `dst` without waiting; `tracker` learns when `payload` may be reused."""
         with self._lock:
             self._check_usable(op, dst)
-            if dst in self._departed:
-                raise self._departed[dst]
             peer = self._peers[dst]
         header = (DATA, op.sig[1], op.sig[0], op.sig[2], op.sig[3], op.group, op.tag, op.seq, sub, op.sig[4],
                   len(payload))
@@ -251,6 +247,7 @@ class Transport:
         self._fail_op(op.ident, error)
 
     def _check_usable(self, op: Op, peer: int | None = None) -> None:
+        """Raise if `op` cannot proceed: closed, aborted, a member crashed, or `peer` has left."""
         if self._closed:
             raise GroupBrokenError(f"rank {self.rank}: the transport is closed")
         if op.ident in self._aborted:
@@ -258,6 +255,8 @@ class Transport:
         for rank in (op.ranks if peer is None else (peer, *op.ranks)):
             if rank in self._lost:
                 raise self._lost[rank]
+        if peer in self._departed:  # only the peer itself: others may finish what it took part in
+            raise self._departed[peer]
 
     # ---- background threads ------------------------------------------------------------------
 
