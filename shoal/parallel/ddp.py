@@ -47,7 +47,7 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         _check_same_parameters(named, self.process_group)
-        self._sync_from_rank0()
+        self._sync_from_rank0([*module.parameters(), *module.buffers()])  # every replica starts as rank 0
         cap = int(bucket_cap_mb * (1 << 20))
         assignment = assign_buckets([p for _, p in named], cap, min(cap, _FIRST_BUCKET_BYTES))
         self.buckets = [Bucket(b, [named[i][1] for i in members], [named[i][0] for i in members])
@@ -67,10 +67,10 @@ class DistributedDataParallel(nn.Module):
 
     # ---- set-up ------------------------------------------------------------------------------
 
-    def _sync_from_rank0(self) -> None:
-        """Every replica starts from rank 0's parameters and buffers."""
+    def _sync_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite `tensors` with rank 0's, in place."""
         with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            for tensor in tensors:
                 self.process_group.broadcast(tensor, self.process_group.ranks[0]).wait()
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Pending]) -> None:
@@ -92,12 +92,10 @@ class DistributedDataParallel(nn.Module):
         self._step_syncs = self._require_sync
         if self._step_syncs and torch.is_grad_enabled():
             self._prepare_for_backward()
-        # Only a step that will synchronize takes rank 0's buffers, so that evaluating on one rank alone
-        # (no_grad) involves no collective.
-        if self.broadcast_buffers and self._step_syncs and torch.is_grad_enabled() and self.process_group.size > 1:
-            with torch.no_grad():
-                for buffer in self.module.buffers():
-                    self.process_group.broadcast(buffer, self.process_group.ranks[0]).wait()
+            # Only a step that will synchronize takes rank 0's buffers, so that evaluating on one rank
+            # alone (no_grad) involves no collective.
+            if self.broadcast_buffers and self.process_group.size > 1:
+                self._sync_from_rank0(list(self.module.buffers()))
         return self.module(*args, **kwargs)
 
     def _prepare_for_backward(self) -> None:
