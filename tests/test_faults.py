@@ -17,6 +17,7 @@ import shoal.distributed as dist
 from shoal.comm import api as comm_api
 from shoal.comm import auth, rendezvous
 from shoal.comm.store import Store
+from shoal.comm.transport import Transport
 from tests.ranks import free_port, run_ranks
 
 
@@ -35,10 +36,15 @@ def _killed_mid_collective(rank: int, world: int) -> tuple[str, int | None, str]
         raise AssertionError("a collective on a group that lost a rank succeeded")
     except shoal.GroupBrokenError as exc:
         outcome = (*first, type(exc).__name__)
-    # Stay until the other survivor has seen the failure too, or its first error could name us.
+    # Stay until the other survivor has seen the failure too, or its first error could name us. Rank 0
+    # serves the store, so rank 2's last store call is a set: rank 0 cannot leave while rank 2 still waits.
     store = comm_api._world.store
-    store.set(f"survived/{rank}", True)
-    store.wait([f"survived/{r}" for r in (0, 2)], timeout=timedelta(seconds=30))
+    if rank == 0:
+        store.set("survived/0", True)
+        store.wait(["survived/2"], timeout=timedelta(seconds=30))
+    else:
+        store.wait(["survived/0"], timeout=timedelta(seconds=30))
+        store.set("survived/2", True)
     return outcome
 
 
@@ -119,6 +125,37 @@ def test_unauthenticated_connections_are_rejected_and_the_group_keeps_working() 
     assert run_ranks(_intruders, 2, timeout=60) == {0: 3.0, 1: 3.0}
 
 
+def test_a_forged_proof_is_refused_before_any_byte_after_it_is_read() -> None:
+    listener, intruder = socket.socketpair()
+    with listener, intruder:
+        # Everything at once: greeting, a proof made without the secret, then what would be payload.
+        payload = b"cos\nsystem\n(S'echo pwned'\ntR."
+        intruder.sendall(auth._HELLO.pack(auth._MAGIC, 1, 0, secrets.token_bytes(32)) + secrets.token_bytes(32)
+                         + payload)
+        with pytest.raises(auth.AuthenticationError, match="failed the secret check"):
+            auth.server_handshake(listener, b"the secret", b"session", my_rank=0, world_size=2,
+                                  admit=lambda rank: None)
+        listener.settimeout(5)
+        assert listener.recv(len(payload) + 1) == payload  # still unread: nothing past the proof was
+
+
+def test_a_forger_claiming_a_rank_first_does_not_take_its_place() -> None:
+    secret, session = b"the secret", b"session"
+    t0, t1 = (Transport(rank, 2, secret=secret, session=session, host="127.0.0.1",
+                        stall_timeout=timedelta(seconds=10)) for rank in range(2))
+    try:
+        with socket.create_connection(t0.address, timeout=10) as forger:  # before rank 1 dials
+            forger.sendall(auth._HELLO.pack(auth._MAGIC, 1, 0, secrets.token_bytes(32)))
+            forger.recv(64)  # the listener's challenge
+            forger.sendall(secrets.token_bytes(32))
+            assert _dropped(forger), "a forged proof was accepted"
+        t1.connect_mesh({0: t0.address}, timedelta(seconds=10))  # refused if the forger held rank 1
+        t0.connect_mesh({}, timedelta(seconds=10))
+    finally:
+        t1.close()
+        t0.close()
+
+
 def test_busy_port_is_reported() -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
@@ -163,8 +200,13 @@ def _join(index: int, world: int, port: int, claims: list[tuple[int, int]], ling
             Store.connect("127.0.0.1", port, world_size=2, is_server=False,
                           timeout=timedelta(seconds=10)).set("refused", index)
         return f"{type(exc).__name__}: {exc}"
-    if linger:  # keep the store (served by rank 0) up until the refused process has had its answer
-        comm_api._world.store.raw.wait(["refused"], timedelta(seconds=30))
+    if linger:  # rank 0 serves the store: it stays up until the refused process and rank 1 are done with it
+        store = comm_api._world.store.raw
+        store.wait(["refused"], timedelta(seconds=30))
+        if rank == 0:
+            store.wait(["released"], timedelta(seconds=30))
+        else:
+            store.set("released", b"1")
     return "joined"
 
 

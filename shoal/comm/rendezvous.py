@@ -3,9 +3,12 @@ checking that the ranks agree on the world size and that no rank is claimed twic
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
 import socket
+import threading
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlparse
@@ -53,10 +56,29 @@ def _env(name: str) -> str:
     return value
 
 
-def join(endpoint: Endpoint, timeout: timedelta) -> Store:
-    """Connect to the store (rank 0 serves it) and register; every rank leaves having seen all others."""
-    store = Store.connect(endpoint.host, endpoint.port, world_size=endpoint.world_size,
-                          is_server=endpoint.rank == 0, timeout=timeout, prefix="shoal/")
+# Store connections of this process by endpoint, shared while anyone uses them: a job that runs a
+# process group and RPC on the same MASTER_ADDR:MASTER_PORT needs one server on rank 0, not two.
+_connections: weakref.WeakValueDictionary[tuple[str, int], Store] = weakref.WeakValueDictionary()
+_connecting = threading.Lock()
+# How often this process has joined each namespace of each endpoint: the n-th join registers under
+# NAMESPACE/n/, so a group started again (init, destroy, init) while the store lives on, kept by the
+# other user of the connection, never meets the claims of its earlier incarnation. Every rank
+# starts and stops its groups in the same order, so all of them count alike.
+_joins: collections.Counter[tuple[str, int, str]] = collections.Counter()
+
+
+def join(endpoint: Endpoint, timeout: timedelta, namespace: str = "shoal/") -> Store:
+    """Connect to the store (rank 0 serves it) and register under `namespace`; every rank leaves
+    having seen all others. Joins under different namespaces share one connection."""
+    with _connecting:
+        base = _connections.get((endpoint.host, endpoint.port))
+        if base is None:
+            base = Store.connect(endpoint.host, endpoint.port, world_size=endpoint.world_size,
+                                 is_server=endpoint.rank == 0, timeout=timeout)
+            _connections[(endpoint.host, endpoint.port)] = base
+        incarnation = _joins[endpoint.host, endpoint.port, namespace]
+        _joins[endpoint.host, endpoint.port, namespace] += 1
+    store = base.scoped(f"{namespace}{incarnation}/")
     if store.add(f"claims/{endpoint.rank}", 1) > 1:
         raise ValueError(f"rank {endpoint.rank} was claimed by two processes; every process needs its "
                          f"own RANK")

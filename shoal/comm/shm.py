@@ -52,7 +52,6 @@ class Outbound:
         self._view[_TOKEN] = token
         self.name = f"{os.getpid()}:{self._fd}:{token.hex()}"
         self._flags = self._view[:SLOTS]
-        self._next = 0
         self.ready = False  # set once the peer has mapped the region
 
     def accepted(self) -> None:
@@ -69,17 +68,16 @@ class Outbound:
     def put(self, payload: memoryview) -> int | None:
         """Copy `payload` into a free slot and return its index, or None (then use TCP).
 
-        Called only from the peer's send thread, so slots are taken in order without a lock.
+        Called only under the peer's write lock, so slots are taken in order without a lock of our own.
         """
         if not self.ready or len(payload) > SLOT_BYTES:
             return None
-        for slot in (*range(self._next, SLOTS), *range(self._next)):
+        for slot in range(SLOTS):  # the lowest free slot: a few slots in turn stay in the caches
             if self._flags[slot] == 0:
                 break
         else:
             return None
         self._flags[slot] = 1
-        self._next = (slot + 1) % SLOTS
         start = _FLAGS + slot * SLOT_BYTES
         _copy(self._view[start:start + len(payload)], payload)
         return slot

@@ -20,9 +20,14 @@ class Store:
     attempt on the same server are never read by a later one.
     """
 
-    def __init__(self, tcp_store: tdist.Store, prefix: str = "") -> None:
+    def __init__(self, tcp_store: tdist.Store, prefix: str = "", *, parent: Store | None = None) -> None:
         self.raw = tcp_store
         self.prefix = prefix
+        self._parent = parent  # keeps the shared connection (and rank 0's server) alive while we are
+
+    def scoped(self, prefix: str) -> Store:
+        """A view of the same server with every key under `prefix` (after ours)."""
+        return Store(self.raw, self.prefix + prefix, parent=self)
 
     @classmethod
     def connect(
@@ -72,6 +77,10 @@ class Store:
                     f"rendezvous keys {keys} did not appear within {timeout.total_seconds():g}s"
                 ) from None
             raise
+
+    def has(self, key: str) -> bool:
+        """Whether `key` is set, without waiting (a timed-out wait makes c10d log a warning)."""
+        return self.raw.check([self.prefix + key])
 
     def add(self, key: str, amount: int) -> int:
         return int(self.raw.add(self.prefix + key, amount))

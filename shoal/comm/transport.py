@@ -39,7 +39,15 @@ _SOCKET_BUFFER = 4 << 20
 # Frames up to this size are written by the calling thread when nothing is queued for the peer:
 # a thread hand-off costs more than the copy. Reader threads never write inline (see `send`).
 _INLINE_BYTES = 64 << 10
+# How long close() reads on for the goodbyes of peers closing at the same time, before it stops
+# reading the rest: reading them out spares those peers a connection reset.
+_DRAIN_S = 1.0
 _on_reader_thread = threading.local()
+
+# handler(src, tag, seq, sub, nbytes, fill): takes one frame of a group served by a handler. It runs on
+# the reader thread and must call fill(view) exactly once with a view of nbytes to receive the payload.
+FrameHandler = Callable[[int, int, int, int, int, Callable[[memoryview], None]], None]
+
 
 class _Peer:
     def __init__(self, rank: int, sock: socket.socket) -> None:
@@ -75,10 +83,15 @@ class Transport:
         self._aborted: dict[tuple[int, int, int], BaseException] = {}
         self._lost: dict[int, PeerFailure] = {}  # crashed: every op they take part in fails
         self._departed: dict[int, PeerFailure] = {}  # said goodbye after their last frame
+        self._handlers: dict[int, FrameHandler] = {}
+        self._failure_listeners: list[Callable[[PeerFailure], None]] = []
         self._closed = False
+        # Every thread we start, so that close() can join them: a thread still running (or ending)
+        # while the interpreter finalizes can abort the process inside torch's thread-local cleanup.
+        self._threads: list[threading.Thread] = []
         self._listener = socket.create_server((host, 0), backlog=max(16, world_size))
         self.address = self._listener.getsockname()[:2]
-        threading.Thread(target=self._accept_loop, name="shoal-accept", daemon=True).start()
+        self._start(self._accept_loop, name="shoal-accept")
 
     # ---- connection set-up -------------------------------------------------------------------
 
@@ -117,7 +130,7 @@ class Transport:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # listener closed
-            threading.Thread(target=self._admit, args=(conn,), name="shoal-handshake", daemon=True).start()
+            self._start(self._admit, conn, name="shoal-handshake")
 
     def _admit(self, conn: socket.socket) -> None:
         try:
@@ -152,15 +165,29 @@ class Transport:
                 raise auth.AuthenticationError(f"rank {peer_rank} is already connected")
             self._peers[peer_rank] = peer
             self._peers_changed.notify_all()
-        threading.Thread(target=self._read_loop, args=(peer,), name=f"shoal-read-{peer_rank}",
-                         daemon=True).start()
+        self._start(self._read_loop, peer, name=f"shoal-read-{peer_rank}")
         if shm.available():
             peer.lane_out = shm.Outbound()
             name = peer.lane_out.name.encode()
             peer.enqueue((HEADER.pack(SHM_OFFER, 0, 0, 0, 0, 0, 0, 0, 0, 0, len(name), NO_SLOT),
                           memoryview(name), None))
-        threading.Thread(target=self._send_loop, args=(peer,), name=f"shoal-send-{peer_rank}",
-                         daemon=True).start()
+        self._start(self._send_loop, peer, name=f"shoal-send-{peer_rank}")
+
+    def _start(self, target: Callable[..., None], *args: object, name: str) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+        thread.start()
+
+    def serve(self, group: int, handler: FrameHandler) -> None:
+        """Hand every frame of `group` to `handler` instead of matching it to posted receives: for
+        messages nobody posted a receive for in advance (RPC requests)."""
+        self._handlers[group] = handler
+
+    def on_peer_failure(self, listener: Callable[[PeerFailure], None]) -> None:
+        """Call `listener` once for each peer that crashes or leaves, on the thread that noticed."""
+        self._failure_listeners.append(listener)
 
     # ---- operations --------------------------------------------------------------------------
 
@@ -200,8 +227,14 @@ class Transport:
         self._deliver_held(recv, held)
         return recv
 
-    def send(self, op: Op, dst: int, sub: int, payload: memoryview, tracker: SendTracker) -> None:
-        """Send frame (op, sub) to `dst` without waiting; `tracker` learns when `payload` may be reused."""
+    def send(self, op: Op, dst: int, sub: int, payload: memoryview, tracker: SendTracker, *,
+             eager: bool = False) -> None:
+        """Send frame (op, sub) to `dst` without waiting; `tracker` learns when `payload` may be reused.
+
+        `eager` lets the calling thread write a large frame itself when the peer's queue is idle, as
+        it does small ones: right for a caller that waits for the answer anyway (RPC), wrong for one
+        that has other frames to post meanwhile (the ring algorithms).
+        """
         with self._lock:
             self._check_usable(op, dst)
             peer = self._peers[dst]
@@ -210,7 +243,7 @@ class Transport:
         tracker.add()
         # Inline only when nothing is queued (order is kept) and not from a reader thread: a reader
         # blocked in a write could stop draining its socket while the peer's reader does the same.
-        if (len(payload) <= _INLINE_BYTES and not getattr(_on_reader_thread, "active", False)
+        if ((eager or len(payload) <= _INLINE_BYTES) and not getattr(_on_reader_thread, "active", False)
                 and peer.write_lock.acquire(blocking=False)):
             try:
                 with peer.count_lock:
@@ -218,9 +251,9 @@ class Transport:
                 if idle:
                     error = None
                     try:
-                        send_frame(peer.sock, HEADER.pack(*header, NO_SLOT), payload)
+                        self._write(peer, header, payload)
                     except OSError as exc:
-                        error = self._peer_lost(dst, f"send failed: {exc}")
+                        error = self._send_failed(dst, exc)
                     tracker.settle(error)
                     return
             finally:
@@ -269,20 +302,28 @@ class Transport:
             error = self._lost.get(peer.rank)
             if error is None:
                 try:
-                    if isinstance(header, tuple):
-                        slot = NO_SLOT
-                        if header[0] == DATA and len(payload) > _INLINE_BYTES and peer.lane_out is not None:
-                            slot = peer.lane_out.put(payload)
-                            slot, payload = (NO_SLOT, payload) if slot is None else (slot, memoryview(b""))
-                        header = HEADER.pack(*header, slot)
                     with peer.write_lock:
-                        send_frame(peer.sock, header, payload)
+                        if isinstance(header, tuple):
+                            self._write(peer, header, payload)
+                        else:
+                            send_frame(peer.sock, header, payload)
                 except OSError as exc:
-                    error = self._peer_lost(peer.rank, f"send failed: {exc}")
+                    error = self._send_failed(peer.rank, exc)
             with peer.count_lock:
                 peer.queued -= 1
             if tracker is not None:
                 tracker.settle(error)
+
+    @staticmethod
+    def _write(peer: _Peer, header: tuple, payload: memoryview) -> None:
+        """Write one frame, a large one through the shared-memory lane when there is a free slot.
+        The caller holds the peer's write lock (which also makes it the lane's only writer)."""
+        slot = NO_SLOT
+        if header[0] == DATA and len(payload) > _INLINE_BYTES and peer.lane_out is not None:
+            taken = peer.lane_out.put(payload)
+            if taken is not None:
+                slot, payload = taken, memoryview(b"")
+        send_frame(peer.sock, HEADER.pack(*header, slot), payload)
 
     def _read_loop(self, peer: _Peer) -> None:
         _on_reader_thread.active = True
@@ -309,7 +350,8 @@ class Transport:
                 else:
                     raise ConnectionError(f"malformed frame (kind {kind}, {nbytes} bytes)")
         except OSError as exc:
-            self._peer_lost(peer.rank, f"connection lost ({exc})")
+            if not self._closed:  # else close() shut the socket to wake us: nobody is lost
+                self._peer_lost(peer.rank, f"connection lost ({exc})")
         except Exception as exc:  # a reader that dies must not leave its receives waiting
             log.exception("rank %d: reader for rank %d failed", self.rank, peer.rank)
             self._peer_lost(peer.rank, f"reader failed ({exc!r})")
@@ -331,6 +373,10 @@ class Transport:
             raise ConnectionError(f"rank {peer.rank} sent a shared-memory frame without a shared region")
         else:
             fill = lambda view: peer.lane_in.take(slot, view)  # noqa: E731
+        handler = self._handlers.get(ident[0])
+        if handler is not None:
+            handler(peer.rank, ident[1], ident[2], sub, nbytes, fill)
+            return
         key = (peer.rank, *ident, sub)
         conflict: Op | None = None
         held: Held | None = None
@@ -410,6 +456,19 @@ class Transport:
                 del self._posted[key]
         for _, recv in failed:
             recv.finish(error)
+        self._tell_listeners(error)
+
+    def _tell_listeners(self, error: PeerFailure) -> None:
+        for listener in self._failure_listeners:
+            try:
+                listener(error)
+            except Exception:
+                log.exception("rank %d: a peer-failure listener failed", self.rank)
+
+    def _send_failed(self, rank: int, exc: OSError) -> PeerFailure:
+        """A write failed: the peer is lost, unless it said goodbye first and its socket was shut since."""
+        departed = self._departed.get(rank)
+        return departed if departed is not None else self._peer_lost(rank, f"send failed: {exc}")
 
     def _peer_lost(self, rank: int, reason: str) -> PeerFailure:
         with self._lock:
@@ -425,6 +484,7 @@ class Transport:
             log.warning("rank %d lost rank %d: %s", self.rank, rank, reason)
         for _, recv in failed:
             recv.finish(error)
+        self._tell_listeners(error)
         if peer is not None:  # its send thread now settles queued frames with this error
             try:
                 peer.sock.shutdown(socket.SHUT_RDWR)
@@ -457,7 +517,7 @@ class Transport:
         for peer in peers:
             if peer.lane_out is not None:
                 peer.lane_out.close_descriptor()
-            try:
+            try:  # our goodbye is ahead of the FIN; we read on until theirs, so they see no reset
                 peer.sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
@@ -466,3 +526,20 @@ class Transport:
         except OSError:
             pass
         self._listener.close()
+        deadline = time.monotonic() + timeout.total_seconds()
+        self._join_threads(min(deadline, time.monotonic() + _DRAIN_S))  # peers closing too say goodbye at once
+        for peer in peers:
+            try:  # a peer still busy: stop reading it, which wakes our reader
+                peer.sock.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+        self._join_threads(deadline)
+
+    def _join_threads(self, deadline: float) -> None:
+        """Wait for our threads to end, so none is left running when the interpreter exits. A
+        handshake still in progress ends by its own timeout; one that outlives `deadline` is left."""
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))

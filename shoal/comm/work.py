@@ -106,4 +106,7 @@ class OpQueue:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            self._cond.wait_for(lambda: not self._pending and not self._busy, timeout=timeout.total_seconds())
+            drained = self._cond.wait_for(lambda: not self._pending and not self._busy,
+                                          timeout=timeout.total_seconds())
+        if drained and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout.total_seconds())  # it has nothing left to do but return
