@@ -1,0 +1,77 @@
+"""torch.distributed.rpc-style functions over this worker's RPC agent (`from shoal import rpc`).
+
+```python
+rpc.init_rpc("trainer0", rank=0, world_size=2)          # env:// by default, as process groups
+y = rpc.rpc_sync("ps", torch.add, args=(x, 1))          # run torch.add on worker "ps", wait
+fut = rpc.rpc_async("ps", torch.add, args=(x, 1))       # a Future: fut.wait(), fut.then(...)
+model = rpc.remote("ps", Net, args=(10,))               # an RRef to a Net that lives on "ps"
+out = model.rpc_sync().forward(x)                       # call its method there
+rpc.shutdown()                                          # waits for every worker's calls to finish
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from shoal.rpc import agent as _agent_module
+from shoal.rpc.agent import RpcAgent, current_agent
+from shoal.rpc.future import Future
+from shoal.rpc.options import RpcBackendOptions, WorkerInfo
+from shoal.rpc.rref import RRef
+
+Timeout = float | timedelta | None
+To = str | int | WorkerInfo
+
+
+def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
+             rpc_backend_options: RpcBackendOptions | None = None) -> None:
+    """Join the RPC group as worker `name`; returns once every worker has joined.
+
+    Rank and world size default to the RANK and WORLD_SIZE variables, as for process groups; a
+    process group may use the same MASTER_ADDR:MASTER_PORT.
+    """
+    if _agent_module._current is not None:
+        raise RuntimeError(f"RPC is already initialized on this worker (as {_agent_module._current.name!r}); "
+                           f"call shoal.rpc.shutdown() first")
+    RpcAgent.start(name, rank, world_size, rpc_backend_options or RpcBackendOptions())
+
+
+def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
+    """Leave the RPC group. Graceful (the default): first wait until every worker's outstanding calls
+    are done, serving the others meanwhile; `timeout` (seconds) bounds that wait."""
+    agent = current_agent()
+    try:
+        agent.shutdown(graceful, timeout)
+    finally:
+        _agent_module._current = None
+
+
+def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
+    """The WorkerInfo of the worker with this name (or rank); of this worker without an argument."""
+    agent = current_agent()
+    return agent.info if worker_name is None else agent.worker(worker_name)
+
+
+def rpc_async(to: To, func: Callable, args: tuple = (), kwargs: dict | None = None,
+              timeout: Timeout = None) -> Future:
+    """Run `func(*args, **kwargs)` on worker `to`; a Future of its result.
+
+    The future fails with the remote exception (its traceback attached as `__cause__`), with
+    TimeoutError after `timeout` seconds (default: the backend's rpc_timeout), or with PeerFailure
+    if the worker dies or leaves first.
+    """
+    return current_agent().call(to, func, args, kwargs, timeout)
+
+
+def rpc_sync(to: To, func: Callable, args: tuple = (), kwargs: dict | None = None, timeout: Timeout = None) -> Any:
+    """Run `func(*args, **kwargs)` on worker `to` and return its result (see rpc_async for errors)."""
+    return rpc_async(to, func, args, kwargs, timeout).wait()
+
+
+def remote(to: To, func: Callable, args: tuple = (), kwargs: dict | None = None, timeout: Timeout = None) -> RRef:
+    """Run `func(*args, **kwargs)` on worker `to` and keep the result there; returns an RRef to it
+    at once. Errors surface from `to_here()` and `confirmed()`."""
+    return current_agent().remote(to, func, args, kwargs, timeout)

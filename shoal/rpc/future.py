@@ -1,0 +1,93 @@
+"""The result of an asynchronous RPC: wait for it, ask whether it is done, or chain work onto it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+
+class Future(Generic[T]):
+    """A value that arrives later, with torch.futures.Future's methods (`wait`, `then`, `done`,
+    `value`, `add_done_callback`).
+
+    Callbacks run on the thread that completes the future, or right away if it is already done.
+    A future completed by a connection's reader thread hands its callbacks to the RPC thread pool
+    (see `RpcAgent`), so a callback may block or make RPCs of its own.
+    """
+
+    def __init__(self, *, run_callback: Callable[[Callable[[], None]], None] | None = None) -> None:
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Future[T]], None]] = []
+        self._run_callback = run_callback
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> T:
+        """The value, once it is there; re-raises the call's error. `timeout` (seconds) bounds this
+        wait only: an RPC future always completes by its call's own deadline."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the future did not complete within {timeout:g}s")
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+    def value(self) -> T:
+        """The value of a completed future (raising its error); ValueError if it is not done yet."""
+        if not self.done():
+            raise ValueError("the future is not done yet; call wait() instead")
+        return self.wait()
+
+    def exception(self) -> BaseException | None:
+        return self._error if self.done() else None
+
+    def then(self, callback: Callable[[Future[T]], S]) -> Future[S]:
+        """A future of `callback(self)`, run once this one completes; an exception the callback
+        raises completes the new future with that exception."""
+        chained: Future[S] = Future(run_callback=self._run_callback)
+
+        def run(done: Future[T]) -> None:
+            try:
+                chained.set_result(callback(done))
+            except BaseException as exc:
+                chained.set_exception(exc)
+
+        self.add_done_callback(run)
+        return chained
+
+    def add_done_callback(self, callback: Callable[[Future[T]], None]) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def set_result(self, value: T) -> None:
+        if not self._complete(value, None):
+            raise RuntimeError("this future is already completed")
+
+    def set_exception(self, error: BaseException) -> None:
+        if not self._complete(None, error):
+            raise RuntimeError("this future is already completed")
+
+    def _complete(self, value: Any, error: BaseException | None) -> bool:
+        """Complete once; later attempts (a late response after a timeout) are ignored."""
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self._value, self._error = value, error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            if self._run_callback is not None:
+                self._run_callback(lambda cb=callback: cb(self))
+            else:
+                callback(self)
+        return True

@@ -1,0 +1,197 @@
+"""What an RPC message is on the wire, and how functions and errors travel.
+
+A message is a pickled body plus the tensors taken out of it. Each tensor goes as a frame of its
+own, received straight into fresh tensor memory (zero-copy on both ends); the body, sent last,
+refers to them by index. RRefs in a message are replaced by tokens the agent hands out (the fork
+protocol, see `rref.py`). Unpickling runs arbitrary code, which is safe here only because every
+connection proved knowledge of the job secret before a byte of it was read.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import io
+import pickle
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+REQUEST, RESPONSE, CONTROL = 1, 2, 3
+# What a request asks of the callee.
+CALL, REMOTE, FETCH = "call", "remote", "fetch"
+
+FunctionRef = tuple[str, str]  # (module, qualified name)
+RRefToken = Callable[[Any], tuple]
+AdoptRRef = Callable[[tuple], Any]
+
+
+@dataclass
+class Encoded:
+    """A message ready to send: the body, and the flat byte tensors it refers to."""
+
+    body: bytes
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+def tag_of(kind: int, tensor_count: int) -> int:
+    """The frame tag: message kind and how many tensor frames precede the body."""
+    return kind << 32 | tensor_count
+
+
+def split_tag(tag: int) -> tuple[int, int]:
+    return tag >> 32, tag & 0xFFFF_FFFF
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, rref_token: RRefToken | None) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+        self._rref_token = rref_token
+
+    def persistent_id(self, obj: Any) -> tuple | None:
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if self._rref_token is not None and getattr(obj, "_is_shoal_rref", False):
+            return ("rref", self._rref_token(obj))
+        return None
+
+    def _tensor(self, tensor: torch.Tensor) -> tuple:
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+            raise TypeError(f"RPC arguments and results must be dense CPU tensors; got one on "
+                            f"{tensor.device} with layout {tensor.layout} (move it with .cpu() first)")
+        index = self._index.get(id(tensor))
+        if index is None:  # a tensor passed twice travels once
+            index = self._index[id(tensor)] = len(self.tensors)
+            self.tensors.append(tensor.detach().contiguous().view(-1).view(torch.uint8))
+        kind = "parameter" if isinstance(tensor, torch.nn.Parameter) else "tensor"
+        return (kind, index, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.requires_grad)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor], adopt_rref: AdoptRRef | None) -> None:
+        super().__init__(file)
+        self._tensors = tensors
+        self._rebuilt: dict[int, torch.Tensor] = {}
+        self._adopt_rref = adopt_rref
+
+    def persistent_load(self, pid: tuple) -> Any:
+        if pid[0] in ("tensor", "parameter"):
+            kind, index, dtype, shape, requires_grad = pid
+            if index not in self._rebuilt:  # a tensor passed twice arrives as one tensor, as it left
+                tensor = self._tensors[index].view(getattr(torch, dtype)).view(shape)
+                self._rebuilt[index] = (torch.nn.Parameter(tensor, requires_grad=requires_grad) if kind == "parameter"
+                                        else tensor.requires_grad_(requires_grad))
+            return self._rebuilt[index]
+        if pid[0] == "rref" and self._adopt_rref is not None:
+            return self._adopt_rref(pid[1])
+        raise pickle.UnpicklingError(f"unknown reference {pid[0]!r} in an RPC message")
+
+
+def encode(body: Any, rref_token: RRefToken | None = None) -> Encoded:
+    """Pickle `body` with its tensors taken out; `rref_token(rref)` turns each RRef into a token."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer, rref_token)
+    pickler.dump(body)
+    return Encoded(buffer.getvalue(), pickler.tensors)
+
+
+def decode(body: bytes | bytearray, tensors: list[torch.Tensor], adopt_rref: AdoptRRef | None = None) -> Any:
+    """Rebuild a body from its bytes and received tensors; `adopt_rref(token)` makes RRefs."""
+    return _Unpickler(io.BytesIO(body), tensors, adopt_rref).load()
+
+
+# ---- functions, sent by reference -------------------------------------------------------------
+
+_refs: dict[Callable, FunctionRef] = {}
+_functions: dict[FunctionRef, Callable] = {}
+
+
+def function_ref(func: Callable) -> FunctionRef:
+    """(module, name) under which the callee can import `func`; TypeError if there is none."""
+    try:
+        return _refs[func]
+    except (KeyError, TypeError):
+        pass
+    if inspect.ismethod(func):
+        raise TypeError(f"{func!r} is a bound method; RPC sends functions by reference, so pass a "
+                        f"module-level function, or call the method through an RRef (rref.rpc_sync().name())")
+    module = getattr(func, "__module__", None)
+    for name in (getattr(func, "__qualname__", None), getattr(func, "__name__", None)):
+        if module and name and "<" not in name:
+            try:
+                if _resolve(module, name) is func:
+                    _refs[func] = (module, name)
+                    return module, name
+            except (ImportError, AttributeError):
+                continue
+    raise TypeError(f"{func!r} cannot be sent by reference: RPC runs functions and classes defined at "
+                    f"the top level of a module the callee can import, not lambdas or nested functions")
+
+
+def _resolve(module: str, name: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class UnknownFunctionError(LookupError):
+    """The callee could not import the function a call named."""
+
+
+def resolve_function(ref: FunctionRef, worker: str) -> Callable:
+    try:
+        return _functions[ref]
+    except KeyError:
+        pass
+    try:
+        func = _functions[ref] = _resolve(*ref)
+    except (ImportError, AttributeError) as exc:
+        raise UnknownFunctionError(f"worker {worker!r} has no function {ref[0]}.{ref[1]} ({exc}); RPC sends "
+                                   f"functions by reference, so the callee must be able to import them") from None
+    return func
+
+
+# ---- errors, re-raised on the caller ----------------------------------------------------------
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised on another worker, attached as `__cause__`."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class RemoteError(RuntimeError):
+    """A remote exception that could not be rebuilt as its own type on the caller."""
+
+
+PackedError = tuple[bytes | None, str, str, str]
+
+
+def pack_error(exc: BaseException, worker: str) -> PackedError:
+    """The exception itself where it pickles, and always its type name, message and traceback."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        data: bytes | None = pickle.dumps(exc)
+    except Exception:
+        data = None
+    return data, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), f"on worker {worker!r}:\n{text}"
+
+
+def unpack_error(packed: PackedError) -> BaseException:
+    data, type_name, message, remote_traceback = packed
+    exc: BaseException | None = None
+    if data is not None:
+        try:
+            exc = pickle.loads(data)
+        except Exception:
+            exc = None  # its class takes other constructor arguments, or is unknown here
+    if not isinstance(exc, BaseException):
+        exc = RemoteError(f"{type_name}: {message}")
+    exc.__cause__ = RemoteTraceback(remote_traceback)
+    return exc

@@ -1,0 +1,172 @@
+"""The pieces of shoal.rpc that need no second process: the owner's reference counting, futures,
+functions sent by reference, and the message encoding."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from shoal.rpc import Future
+from shoal.rpc.message import RemoteError, RemoteTraceback, decode, encode, function_ref, pack_error, unpack_error
+from shoal.rpc.rref import OwnerTable
+
+# ---- the owner's table ------------------------------------------------------------------------
+
+def test_an_object_lives_while_any_fork_does_and_is_released_after_the_last() -> None:
+    table = OwnerTable()
+    entry = table.created_remotely((0, 1), (0, 2), holder=0)
+    table.add_fork((0, 1), (0, 3), holder=2)  # the creator passed it on
+    table.delete_fork((0, 1), (0, 2))  # the creator dropped its own
+    assert len(table) == 1
+    table.delete_fork((0, 1), (0, 3))
+    assert len(table) == 0
+    assert entry.forks == {}
+
+
+def test_a_delete_that_overtakes_its_add_is_not_lost() -> None:
+    table = OwnerTable()
+    table.created_remotely((0, 1), (0, 2), holder=0)
+    table.delete_fork((0, 1), (0, 9))  # the child's delete arrives first, on its own connection
+    assert len(table) == 1
+    table.add_fork((0, 1), (0, 9), holder=2)  # the parent's add cancels against the tombstone
+    table.delete_fork((0, 1), (0, 2))
+    assert len(table) == 0
+
+
+def test_a_fetch_before_the_creating_call_waits_for_it() -> None:
+    table = OwnerTable()
+    early = table.entry((0, 1))  # a fetch named the id before remote() arrived
+    assert not early.value.done()
+    entry = table.created_remotely((0, 1), (0, 2), holder=0)
+    assert entry is early
+    entry.value.set_result("made")
+    assert early.value.wait(0) == "made"
+
+
+def test_a_dead_workers_forks_are_dropped() -> None:
+    table = OwnerTable()
+    table.created_remotely((0, 1), (0, 2), holder=0)
+    table.add_fork((0, 1), (0, 3), holder=2)
+    table.drop_holder(2)
+    assert len(table) == 1
+    table.drop_holder(0)
+    assert len(table) == 0
+
+
+def test_an_owner_local_entry_joins_the_table_only_while_forked() -> None:
+    table = OwnerTable()
+    entry = table.local((1, 0), "value")
+    assert len(table) == 0
+    table.add_fork(entry, (1, 1), holder=0)
+    assert len(table) == 1
+    table.delete_fork((1, 0), (1, 1))
+    assert len(table) == 0 and entry.value.wait(0) == "value"
+
+
+# ---- futures ----------------------------------------------------------------------------------
+
+def test_future_then_chains_values_and_errors() -> None:
+    first: Future[int] = Future()
+    doubled = first.then(lambda f: f.value() * 2)
+    failed = doubled.then(lambda f: 1 / 0)
+    assert not doubled.done()
+    first.set_result(21)
+    assert doubled.wait(1) == 42
+    with pytest.raises(ZeroDivisionError):
+        failed.wait(1)
+    with pytest.raises(RuntimeError, match="already completed"):
+        first.set_result(0)
+
+
+def test_future_wait_timeout_and_value_before_done() -> None:
+    future: Future[int] = Future()
+    with pytest.raises(ValueError, match="not done"):
+        future.value()
+    with pytest.raises(TimeoutError):
+        future.wait(0.01)
+    threading.Timer(0.01, future.set_exception, args=(KeyError("k"),)).start()
+    with pytest.raises(KeyError):
+        future.wait(5)
+
+
+# ---- functions by reference -------------------------------------------------------------------
+
+class _Holder:
+    @staticmethod
+    def static(x: int) -> int:
+        return x
+
+    def method(self) -> None:
+        pass
+
+
+def test_functions_are_sent_by_module_and_name() -> None:
+    assert function_ref(math.sqrt) == ("math", "sqrt")
+    assert function_ref(torch.add) == ("torch", "add")
+    assert function_ref(torch.nn.Linear) == ("torch.nn.modules.linear", "Linear")
+    assert function_ref(_Holder.static) == (__name__, "_Holder.static")
+
+
+def test_functions_without_a_reference_are_refused_on_the_caller() -> None:
+    def nested() -> None:
+        pass
+
+    for func in (lambda: 1, nested):
+        with pytest.raises(TypeError, match="top level of a module"):
+            function_ref(func)
+    with pytest.raises(TypeError, match="bound method"):
+        function_ref(_Holder().method)
+
+
+# ---- message encoding -------------------------------------------------------------------------
+
+def _wire(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What the receiver has after the frames arrive: fresh byte buffers with the same contents."""
+    return [t.clone() for t in tensors]
+
+
+def test_tensors_travel_out_of_band_and_come_back_equal() -> None:
+    base = torch.arange(24, dtype=torch.float64).view(4, 6)
+    values = {
+        "transposed": base.t(),  # not contiguous
+        "slice": base[1:3, 2:],  # a view with an offset
+        "scalar": torch.tensor(3.5),
+        "bool": torch.tensor([True, False, True]),
+        "bf16": torch.randn(5).to(torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "grad": torch.ones(2, requires_grad=True),
+        "param": torch.nn.Parameter(torch.zeros(3)),
+    }
+    message = encode({"values": values, "again": values["scalar"], "text": "plain"})
+    assert len(message.tensors) == len(values)  # the repeated tensor travels once
+    out = decode(message.body, _wire(message.tensors))
+    for name, tensor in values.items():
+        got = out["values"][name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor.detach()), name
+    assert out["values"]["grad"].requires_grad and isinstance(out["values"]["param"], torch.nn.Parameter)
+    assert out["again"] is out["values"]["scalar"] and out["text"] == "plain"
+
+
+def test_non_cpu_or_sparse_tensors_are_refused() -> None:
+    with pytest.raises(TypeError, match="dense CPU tensors"):
+        encode(torch.eye(3).to_sparse())
+
+
+class _Odd(Exception):
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(a + b)
+
+
+def test_errors_keep_their_type_or_fall_back_with_the_type_name() -> None:
+    try:
+        raise ValueError("bad 7")
+    except ValueError as exc:
+        rebuilt = unpack_error(pack_error(exc, "w1"))
+    assert type(rebuilt) is ValueError and str(rebuilt) == "bad 7"
+    assert isinstance(rebuilt.__cause__, RemoteTraceback)
+    assert "on worker 'w1'" in str(rebuilt.__cause__) and "raise ValueError" in str(rebuilt.__cause__)
+    odd = unpack_error(pack_error(_Odd(1, 2), "w1"))
+    assert isinstance(odd, RemoteError) and "_Odd" in str(odd) and "3" in str(odd)
