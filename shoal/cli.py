@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("allreduce", "ddp", "recovery")
+BENCHMARKS = ("allreduce", "ddp", "pipeline", "recovery", "rpc")
 
 
 def _bench(name: str, args: list[str]) -> None:
