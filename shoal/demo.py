@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm import tqdm
 
 import shoal.distributed as dist
-from shoal.checkpoint import CheckpointManager, capture_rng, restore_rng
+from shoal.checkpoint import CheckpointManager, capture_rng, finish_writes_on_sigterm, restore_rng
 from shoal.data import DistributedSampler
 from shoal.elastic.faults import maybe_kill
 from shoal.parallel import DistributedDataParallel
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-dir", type=Path, help="save here, and resume from the newest valid checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
     args = parser.parse_args(argv)
+    finish_writes_on_sigterm()  # stopped after another worker's failure: keep the checkpoint being written
     train(args.epochs, args.backend, args.batch_size, args.lr, checkpoint_dir=args.checkpoint_dir,
           checkpoint_every=args.checkpoint_every)
 

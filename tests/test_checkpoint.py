@@ -129,3 +129,32 @@ def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path
             proc.kill()
     latest = CheckpointManager(tmp_path, rank=0).load_latest()
     assert latest is not None and latest.step == 1 and torch.all(latest.state["w"] == 1.0)
+
+
+def test_a_writer_stopped_with_sigterm_finishes_its_checkpoint_first(tmp_path: Path) -> None:
+    child = textwrap.dedent(f"""
+        import os, sys, threading, time, torch
+        from shoal.checkpoint import CheckpointManager, finish_writes_on_sigterm
+        finish_writes_on_sigterm()
+        manager = CheckpointManager({str(tmp_path)!r}, async_save=True, rank=0)
+        manager.save(1, {{"w": torch.ones(1000)}})
+        manager.wait()
+        real_fsync = os.fsync
+        def slow(fd):  # the second checkpoint is still being written when SIGTERM comes
+            print("writing", flush=True)
+            time.sleep(1.0)
+            real_fsync(fd)
+        os.fsync = slow
+        manager.save(2, {{"w": torch.zeros(1000)}})
+        threading.Event().wait()  # training would go on here
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    latest = CheckpointManager(tmp_path, rank=0).load_latest()
+    assert latest is not None and latest.step == 2 and torch.all(latest.state["w"] == 0.0)

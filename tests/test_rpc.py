@@ -225,7 +225,9 @@ def test_rref_passed_to_a_third_worker_is_used_there() -> None:
 
 
 def _refcount(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port)
+    # Each of the 40 `bump`s below waits on a nested call to w1: more threads than calls in flight, so a
+    # burst that lands before any nested call is served cannot fill the pool with waiters.
+    _init(rank, world, port, num_worker_threads=48)
     out = {}
     if rank == 0:
         # Dropped by its only holder: freed on the owner.

@@ -2,5 +2,6 @@
 
 from shoal.checkpoint.manager import Checkpoint, CheckpointManager
 from shoal.checkpoint.rng import capture_rng, restore_rng
+from shoal.checkpoint.sigterm import finish_writes_on_sigterm
 
-__all__ = ["Checkpoint", "CheckpointManager", "capture_rng", "restore_rng"]
+__all__ = ["Checkpoint", "CheckpointManager", "capture_rng", "finish_writes_on_sigterm", "restore_rng"]

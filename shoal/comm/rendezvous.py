@@ -82,8 +82,10 @@ def join(endpoint: Endpoint, timeout: timedelta, namespace: str = "shoal/") -> S
     if store.add(f"claims/{endpoint.rank}", 1) > 1:
         raise ValueError(f"rank {endpoint.rank} was claimed by two processes; every process needs its "
                          f"own RANK")
+    # Rank 0 serves the store and leaves as soon as it sees a mismatch, so every other rank reads
+    # rank 0's entry before it writes its own: its last call then is one rank 0 waits for.
+    first = endpoint.world_size if endpoint.rank == 0 else store.get("joined/0", timeout=timeout)
     store.set(f"joined/{endpoint.rank}", endpoint.world_size)
-    first = store.get("joined/0", timeout=timeout)
     if first != endpoint.world_size:
         raise ValueError(f"world size mismatch: rank 0 has world_size={first} but rank {endpoint.rank} "
                          f"has world_size={endpoint.world_size}")

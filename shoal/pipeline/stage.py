@@ -72,11 +72,11 @@ class PipelineStage:
         self.next_rank = None if self.is_last else self.group.ranks[stage_index + 1]
         tensors = itertools.chain(module.parameters(), module.buffers())
         self.device = next((t.device for t in tensors), torch.device("cpu"))
-        self._sends: list[tuple[Work, torch.Tensor]] = []
+        self._sends: list[tuple[Work, torch.Tensor, int]] = []
         # Activation sends by micro-batch, kept apart: the gradient coming back for micro-batch j
         # proves its activation arrived, so its send (and the output it holds) can be let go then,
         # even on a backend whose sends cannot be polled for completion (gloo's).
-        self._activation_sends: dict[int, tuple[Work, torch.Tensor]] = {}
+        self._activation_sends: dict[int, tuple[Work, torch.Tensor, int]] = {}
 
     # ---- sending (asynchronous; `finish_sends` waits) -----------------------------------------
 
@@ -89,29 +89,40 @@ class PipelineStage:
     def send_gradient(self, tensor: torch.Tensor) -> None:
         self._sends.append(self._isend(tensor, self.prev_rank, _GRADIENT_TAG))
 
-    def _isend(self, tensor: torch.Tensor, dst: int | None, tag: int) -> tuple[Work, torch.Tensor]:
+    def _isend(self, tensor: torch.Tensor, dst: int | None, tag: int) -> tuple[Work, torch.Tensor, int]:
         assert dst is not None, "no stage to send to"
         # The tensor stays referenced until its send is done: the backend may still be reading it.
-        return dist.isend(tensor, dst, group=self.group, tag=tag), tensor
+        return dist.isend(tensor, dst, group=self.group, tag=tag), tensor, dst
+
+    @staticmethod
+    def _settle(send: tuple[Work, torch.Tensor, int]) -> None:
+        """Wait for a send; a failure names its destination where the backend could not (gloo)."""
+        work, _, dst = send
+        try:
+            work.wait()
+        except PeerFailure as exc:
+            if exc.rank is not None:
+                raise
+            raise PeerFailure(dst, exc.detail) from exc
 
     def reap_sends(self) -> None:
         """Forget sends that are done, raising the error of one that failed (a neighbour that died)."""
         pending = []
-        for work, tensor in self._sends:
-            if work.is_completed():
-                work.wait()
+        for send in self._sends:
+            if send[0].is_completed():
+                self._settle(send)
             else:
-                pending.append((work, tensor))
+                pending.append(send)
         self._sends = pending
-        for j in [j for j, (work, _) in self._activation_sends.items() if work.is_completed()]:
-            self._activation_sends.pop(j)[0].wait()
+        for j in [j for j, (work, _, _) in self._activation_sends.items() if work.is_completed()]:
+            self._settle(self._activation_sends.pop(j))
 
     def finish_sends(self) -> None:
         """Wait for every send of this step (each within the group's timeout)."""
         sends = self._sends + list(self._activation_sends.values())
         self.forget_sends()
-        for work, _ in sends:
-            work.wait()
+        for send in sends:
+            self._settle(send)
 
     def forget_sends(self) -> None:
         """Drop sends a failed step left behind; their works keep their own tensors alive."""
@@ -156,7 +167,7 @@ class PipelineStage:
                 f"does not match it: {exc}") from exc
         sent = self._activation_sends.pop(j, None)
         if sent is not None:
-            sent[0].wait()  # done: stage i+1 received it before it could answer
+            self._settle(sent)  # done: stage i+1 received it before it could answer
         return incoming.tensor
 
     def _wait(self, work: Work, what: str, peer_stage: int) -> None:
