@@ -20,7 +20,7 @@ import torch
 import shoal
 import shoal.distributed as dist
 from shoal import rpc
-from shoal.comm import auth
+from shoal.comm import auth, shm
 from shoal.rpc.agent import current_agent
 from tests.ranks import run_ranks
 
@@ -194,6 +194,44 @@ def _nested(rank: int, world: int, port: int) -> dict:
         out["ring"] = rpc.rpc_sync("w1", chain, args=(["w2", "w0", "w1"], 0))
     rpc.shutdown()
     return out
+
+
+_kept_tensors: list[torch.Tensor] = []
+
+
+def keep_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    _kept_tensors.append(tensor)
+    return tensor * 2
+
+
+def uniform_values(tensors: list[torch.Tensor]) -> list[float | None]:
+    """The value each tensor holds everywhere, or None for one whose elements differ (overwritten)."""
+    return [t[0].item() if bool(torch.all(t == t[0])) else None for t in tensors]
+
+
+def kept_values() -> list[float | None]:
+    return uniform_values(_kept_tensors)
+
+
+def _large_tensors_kept(rank: int, world: int, port: int) -> dict:
+    _init(rank, world, port)
+    out = {}
+    if rank == 0:
+        # More 1 MiB tensors than the shared-memory lanes have slots, each kept alive on both sides:
+        # the ones that arrived in a lent slot must keep their values while later ones travel.
+        count = 2 * shm.SLOTS
+        doubled = [rpc.rpc_sync("w1", keep_tensor, args=(torch.full((1 << 18,), float(i)),)) for i in range(count)]
+        out["doubled"] = uniform_values(doubled)
+        out["kept"] = rpc.rpc_sync("w1", kept_values)
+        out["expected"] = list(range(count))
+    rpc.shutdown()
+    return out
+
+
+def test_large_tensors_kept_by_both_sides_keep_their_values() -> None:
+    out = run_ranks(_large_tensors_kept, 2, backend=None, timeout=90)[0]
+    assert out["kept"] == out["expected"]
+    assert out["doubled"] == [2 * v for v in out["expected"]]
 
 
 def test_nested_calls_and_a_call_back_to_the_caller() -> None:

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
+
 # kind, dtype, op, reduce op, root, group, tag, seq, sub, numel, payload bytes, shared-memory slot
 HEADER = struct.Struct("<BBBBiIqQIQQi")
 DATA, ABORT, BYE, SHM_OFFER, SHM_ACCEPT = 1, 2, 3, 4, 5
@@ -111,6 +113,18 @@ class SendTracker:
                 raise TimeoutError(f"{what}: sends did not drain before the deadline")
             if self._error is not None:
                 raise self._error
+
+
+class Payload:
+    """The payload of a frame handed to a served group's handler, not read yet: `fill(view)` copies it
+    into `view`. `lend()`, set only for a frame in a shared-memory slot, returns it as a uint8 tensor
+    over the slot itself, or None when no more slots may be lent (then call `fill`). A handler reads
+    the payload exactly once, one way or the other."""
+
+    __slots__ = ("fill", "lend")
+
+    def __init__(self, fill: Callable[[memoryview], None], lend: Callable[[], torch.Tensor | None] | None) -> None:
+        self.fill, self.lend = fill, lend
 
 
 class Held:

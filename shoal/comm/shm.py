@@ -19,11 +19,14 @@ import mmap
 import os
 import secrets
 import threading
+import weakref
 
+import numpy
 import torch
 
 SLOT_BYTES = 2 << 20  # one ring chunk (ring.CHUNK_BYTES) per slot
 SLOTS = 16
+LENDABLE_SLOTS = SLOTS // 2  # slots a receiver may keep as tensors at once (`Inbound.lend`)
 _TOKEN = slice(SLOTS, SLOTS + 16)  # after the flag bytes: the region's random identity
 _FLAGS = 4096  # one byte per slot (1: holds a frame not yet taken) and the token, padded to a page
 _SIZE = _FLAGS + SLOTS * SLOT_BYTES
@@ -102,11 +105,35 @@ class Inbound:
         if bytes(self._view[_TOKEN]) != bytes.fromhex(token):
             raise ValueError(f"{name} is not the region the peer announced (another host?)")
         self._flags = self._view[:SLOTS]
+        self._lock = threading.Lock()
+        self._lent = 0
 
     def take(self, slot: int, dst: memoryview) -> None:
-        if not 0 <= slot < SLOTS or len(dst) > SLOT_BYTES:
-            raise ConnectionError(f"frame names slot {slot} with {len(dst)} bytes; the region has {SLOTS} "
-                                  f"slots of {SLOT_BYTES} bytes")
-        start = _FLAGS + slot * SLOT_BYTES
+        start = self._start(slot, len(dst))
         _copy(dst, self._view[start:start + len(dst)])
         self._flags[slot] = 0  # hand the slot back
+
+    def lend(self, slot: int, nbytes: int) -> torch.Tensor | None:
+        """The frame in `slot` as a uint8 tensor over the slot itself, without a copy; the slot goes back
+        to the sender when the tensor (and every view of it) is freed. None when LENDABLE_SLOTS are out
+        already: then `take` a copy, so that tensors kept for long leave slots to the others."""
+        start = self._start(slot, nbytes)
+        with self._lock:
+            if self._lent >= LENDABLE_SLOTS:
+                return None
+            self._lent += 1
+        array = numpy.frombuffer(self._map, dtype=numpy.uint8, count=nbytes, offset=start)
+        weakref.finalize(array, self._give_back, slot)  # the tensor holds the array until it is freed
+        return torch.from_numpy(array)
+
+    def _give_back(self, slot: int) -> None:
+        self._flags[slot] = 0
+        with self._lock:
+            self._lent -= 1
+
+    @staticmethod
+    def _start(slot: int, nbytes: int) -> int:
+        if not 0 <= slot < SLOTS or nbytes > SLOT_BYTES:
+            raise ConnectionError(f"frame names slot {slot} with {nbytes} bytes; the region has {SLOTS} "
+                                  f"slots of {SLOT_BYTES} bytes")
+        return _FLAGS + slot * SLOT_BYTES

@@ -23,6 +23,7 @@ from shoal.comm.frames import (
     SHM_OFFER,
     Held,
     Op,
+    Payload,
     Recv,
     SendTracker,
     Signature,
@@ -44,9 +45,9 @@ _INLINE_BYTES = 64 << 10
 _DRAIN_S = 1.0
 _on_reader_thread = threading.local()
 
-# handler(src, tag, seq, sub, nbytes, fill): takes one frame of a group served by a handler. It runs on
-# the reader thread and must call fill(view) exactly once with a view of nbytes to receive the payload.
-FrameHandler = Callable[[int, int, int, int, int, Callable[[memoryview], None]], None]
+# handler(src, tag, seq, sub, nbytes, payload): takes one frame of a group served by a handler. It runs
+# on the reader thread and must read the payload (a frames.Payload) before it returns.
+FrameHandler = Callable[[int, int, int, int, int, Payload], None]
 
 
 class _Peer:
@@ -367,15 +368,17 @@ class Transport:
 
     def _on_data(self, peer: _Peer, ident: tuple[int, int, int], sub: int, sig: Signature, nbytes: int,
                  slot: int) -> None:
+        lend = None
         if slot == NO_SLOT:
             fill = lambda view: recv_exact(peer.sock, view)  # noqa: E731
         elif peer.lane_in is None:
             raise ConnectionError(f"rank {peer.rank} sent a shared-memory frame without a shared region")
         else:
             fill = lambda view: peer.lane_in.take(slot, view)  # noqa: E731
+            lend = lambda: peer.lane_in.lend(slot, nbytes)  # noqa: E731
         handler = self._handlers.get(ident[0])
         if handler is not None:
-            handler(peer.rank, ident[1], ident[2], sub, nbytes, fill)
+            handler(peer.rank, ident[1], ident[2], sub, nbytes, Payload(fill, lend))
             return
         key = (peer.rank, *ident, sub)
         conflict: Op | None = None

@@ -6,11 +6,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import torch
 
-from shoal.comm.frames import Op, SendTracker
+from shoal.comm.frames import Op, Payload, SendTracker
 from shoal.comm.ring import as_bytes
 from shoal.comm.transport import Transport
 from shoal.rpc.message import Encoded, split_tag, tag_of
@@ -58,16 +57,19 @@ class Wire:
         for key in [key for key in list(self._partial) if key[0] == rank]:
             self._partial.pop(key, None)
 
-    def _on_frame(self, src: int, tag: int, seq: int, sub: int, nbytes: int, fill: Any) -> None:
+    def _on_frame(self, src: int, tag: int, seq: int, sub: int, nbytes: int, payload: Payload) -> None:
         kind, tensor_count = split_tag(tag)
         key = (src, kind, seq)
         if sub:
-            tensor = torch.empty(nbytes, dtype=torch.uint8)
-            fill(as_bytes(tensor))
+            # A tensor in a shared-memory slot is used where it lies: one copy per hop, not two.
+            tensor = payload.lend() if payload.lend is not None else None
+            if tensor is None:
+                tensor = torch.empty(nbytes, dtype=torch.uint8)
+                payload.fill(as_bytes(tensor))
             self._partial.setdefault(key, []).append(tensor)
             return
         body = bytearray(nbytes)
-        fill(memoryview(body))
+        payload.fill(memoryview(body))
         tensors = self._partial.pop(key, []) if tensor_count else []
         if len(tensors) != tensor_count:
             raise ConnectionError(f"RPC message {seq} from rank {src} came with {len(tensors)} of its "
