@@ -105,6 +105,8 @@ class NeedsTwoArguments(Exception):
 def fail_with(kind: str) -> None:
     if kind == "value":
         raise ValueError("bad value 42")
+    if kind == "exit":
+        sys.exit(3)
     raise NeedsTwoArguments("x", "y")
 
 
@@ -322,6 +324,11 @@ def _errors(rank: int, world: int, port: int) -> dict:
         broken = rpc.remote("w1", fail_with, args=("value",))
         with pytest.raises(ValueError, match="bad value 42"):
             broken.to_here()
+        # sys.exit() in a remote function: reported at once, and it does not end the caller.
+        with pytest.raises(rpc.RemoteError, match="SystemExit: 3"):
+            rpc.rpc_sync("w1", fail_with, args=("exit",), timeout=20)
+        with pytest.raises(rpc.RemoteError, match="SystemExit: 3"):
+            rpc.remote("w1", fail_with, args=("exit",), timeout=20).to_here()
         # A function the callee cannot import: defined in a module only the caller has.
         module = types.ModuleType("only_on_w0")
         exec("def f():\n    return 1\n", module.__dict__)
@@ -421,6 +428,23 @@ def _graceful(rank: int, world: int, port: int) -> list:
 def test_graceful_shutdown_completes_calls_in_flight() -> None:
     out = run_ranks(_graceful, 3, backend=None, timeout=90)
     assert out[0] == [[0.0] * 3, [1.0] * 3, [2.0] * 3, [3.0] * 3, "slow"]
+
+
+def _shutdown_while_serving(rank: int, world: int, port: int) -> str:
+    _init(rank, world, port)
+    if rank == 0:
+        with pytest.raises(TimeoutError):
+            rpc.rpc_sync("w1", block_until_released, timeout=0.5)  # w1 goes on serving it
+    rpc.shutdown(timeout=3)
+    state = "returned while serving" if not _release.is_set() else "returned after the call"
+    _release.set()  # let the served call end, so that this process can exit
+    return state
+
+
+def test_graceful_shutdown_is_bounded_by_its_timeout_even_while_serving_a_call() -> None:
+    # The served call waits up to 60 s: without the bound, w1's shutdown outlives the test's deadline.
+    out = run_ranks(_shutdown_while_serving, 2, backend=None, timeout=40)
+    assert out == {0: "returned while serving", 1: "returned while serving"}
 
 
 def _lifecycle(rank: int, world: int, port: int) -> dict:

@@ -123,7 +123,7 @@ class RpcAgent:
         except BaseException:
             _current = None
             if agent is not None:
-                agent._tear_down(wait=False)  # its threads too, not only the transport
+                agent._tear_down(None)  # its threads too, not only the transport
             else:
                 transport.close()
             raise
@@ -304,7 +304,7 @@ class RpcAgent:
     def _serve_call(self, src: int, msg_id: int, ref: FunctionRef, args: tuple, kwargs: dict) -> None:
         try:
             result = resolve_function(ref, self.name)(*args, **kwargs)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: the caller must hear of it, not time out
             self._reply(src, msg_id, None, exc)
             return
         self._reply(src, msg_id, result, None)
@@ -319,7 +319,7 @@ class RpcAgent:
         try:
             entry.value.set_result(resolve_function(ref, self.name)(*args, **kwargs))
             done.set_result(None)
-        except Exception as exc:
+        except BaseException as exc:
             entry.value.set_exception(exc)
             done.set_exception(exc)
 
@@ -337,9 +337,12 @@ class RpcAgent:
             message = encode(("error", pack_error(error, self.name)))
         try:
             self._wire.send(dst, RESPONSE, msg_id, message)
-        except (PeerFailure, GroupBrokenError, TimeoutError) as exc:
-            self.rrefs.drop_holder(dst)  # forks made for this answer went nowhere
+        except PeerFailure as exc:
+            self.rrefs.drop_holder(dst)  # the caller is gone, with every fork it held
             log.debug("worker %r: the answer to rank %d was lost: %s", self.name, dst, exc)
+        except (GroupBrokenError, TimeoutError) as exc:
+            # Shutting down, or the answer is still queued: the caller lives, and so do its forks.
+            log.debug("worker %r: the answer to rank %d did not leave in time: %s", self.name, dst, exc)
 
     def _on_response(self, src: int, msg_id: int, body: bytes | bytearray, tensors: list[torch.Tensor]) -> None:
         # Decoded even when the call has timed out meanwhile: RRefs in it must be adopted (and then
@@ -405,9 +408,9 @@ class RpcAgent:
         """Graceful: wait for our calls, tell the others we are done, and keep serving theirs until
         every worker is done too; then tear down. Otherwise tear down at once."""
         everyone_done = False
+        deadline = time.monotonic() + (timeout or self.options.shutdown_timeout)
         try:
             if graceful:
-                deadline = time.monotonic() + (timeout or self.options.shutdown_timeout)
                 with self._lock:
                     if not self._idle.wait_for(self._is_idle, max(0.0, deadline - time.monotonic())):
                         raise TimeoutError(f"worker {self.name!r}: {len(self._pending)} RPCs and {self._busy} "
@@ -418,7 +421,7 @@ class RpcAgent:
         finally:
             # Past a deadline, calls may still be running here: the timeout bounds shutdown, so they
             # are left to finish on their own (the pool's threads are joined at interpreter exit).
-            self._tear_down(wait=everyone_done)
+            self._tear_down(deadline if everyone_done else None)
 
     def _wait_for_everyone(self, deadline: float) -> None:
         self.store.set(f"done/{self.rank}", 1)
@@ -437,7 +440,8 @@ class RpcAgent:
                                        f"{what} before the shutdown deadline")
                 time.sleep(0.01)
 
-    def _tear_down(self, wait: bool) -> None:
+    def _tear_down(self, deadline: float | None) -> None:
+        """Close everything; with a deadline, also wait until then for calls still being served."""
         with self._lock:
             self._closed = True
             pending, self._pending = self._pending, {}
@@ -448,5 +452,9 @@ class RpcAgent:
         self.transport.close(timedelta(seconds=5))
         # Not cancelled: callbacks of the futures failed above are queued there, and a future's
         # callback must run (calls from others that are queued fail fast on the closed transport).
-        self._pool.shutdown(wait=wait)
+        self._pool.shutdown(wait=False)
+        if deadline is not None:
+            # A call whose caller gave up may still run here; the deadline bounds shutdown all the same.
+            for thread in list(self._pool._threads):
+                thread.join(max(0.0, deadline - time.monotonic()))
         self._deadlines.stop()

@@ -180,7 +180,11 @@ def pack_error(exc: BaseException, worker: str) -> PackedError:
         data: bytes | None = pickle.dumps(exc)
     except Exception:
         data = None
-    return data, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), f"on worker {worker!r}:\n{text}"
+    try:
+        message = str(exc)
+    except Exception:  # a user's __str__ that fails must not keep the caller from hearing of the error
+        message = f"<str() of the {type(exc).__name__} failed>"
+    return data, f"{type(exc).__module__}.{type(exc).__qualname__}", message, f"on worker {worker!r}:\n{text}"
 
 
 def unpack_error(packed: PackedError) -> BaseException:
@@ -191,7 +195,7 @@ def unpack_error(packed: PackedError) -> BaseException:
             exc = pickle.loads(data)
         except Exception:
             exc = None  # its class takes other constructor arguments, or is unknown here
-    if not isinstance(exc, BaseException):
+    if not isinstance(exc, Exception):  # also a SystemExit there, which must not end the caller
         exc = RemoteError(f"{type_name}: {message}")
     exc.__cause__ = RemoteTraceback(remote_traceback)
     return exc
