@@ -102,11 +102,18 @@ class NeedsTwoArguments(Exception):
         super().__init__(f"{a}/{b}")
 
 
+class UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("this __str__ fails")
+
+
 def fail_with(kind: str) -> None:
     if kind == "value":
         raise ValueError("bad value 42")
     if kind == "exit":
         sys.exit(3)
+    if kind == "unprintable":
+        raise UnprintableError()
     raise NeedsTwoArguments("x", "y")
 
 
@@ -329,6 +336,8 @@ def _errors(rank: int, world: int, port: int) -> dict:
             rpc.rpc_sync("w1", fail_with, args=("exit",), timeout=20)
         with pytest.raises(rpc.RemoteError, match="SystemExit: 3"):
             rpc.remote("w1", fail_with, args=("exit",), timeout=20).to_here()
+        with pytest.raises(UnprintableError):  # reported although its message cannot be made
+            rpc.rpc_sync("w1", fail_with, args=("unprintable",), timeout=20)
         # A function the callee cannot import: defined in a module only the caller has.
         module = types.ModuleType("only_on_w0")
         exec("def f():\n    return 1\n", module.__dict__)
