@@ -455,6 +455,7 @@ class RpcAgent:
         self._pool.shutdown(wait=False)
         if deadline is not None:
             # A call whose caller gave up may still run here; the deadline bounds shutdown all the same.
+            # (ThreadPoolExecutor offers no public way to join its threads with a timeout.)
             for thread in list(self._pool._threads):
                 thread.join(max(0.0, deadline - time.monotonic()))
         self._deadlines.stop()

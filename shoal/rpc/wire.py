@@ -1,5 +1,6 @@
 """RPC messages over the transport: each tensor as a frame of its own, then the body that completes
-the message; on arrival, tensor frames land in fresh tensors and wait for their body."""
+the message; on arrival, tensor frames become tensors (fresh ones, or views of the shared-memory slot
+they came in) and wait for their body."""
 
 from __future__ import annotations
 
