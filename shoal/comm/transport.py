@@ -412,8 +412,8 @@ class Transport:
         with self._lock:
             held.complete = True
             waiter = held.waiter
-            if waiter is not None:
-                del self._held[key]
+            if waiter is not None and self._held.pop(key, None) is None:
+                waiter = None  # end() withdrew it while it was read in: its op is over, nobody waits
         if waiter is not None:
             self._deliver_held(waiter, held)
 
