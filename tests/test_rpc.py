@@ -21,7 +21,7 @@ import shoal
 import shoal.distributed as dist
 from shoal import rpc
 from shoal.comm import auth, shm
-from shoal.rpc.agent import current_agent
+from shoal.rpc.current import current_agent
 from tests.ranks import run_ranks
 
 

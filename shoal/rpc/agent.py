@@ -1,16 +1,13 @@
-"""The RPC agent of one worker: it sends calls and answers over the transport and runs incoming
-calls on a thread pool. It tracks outstanding calls (deadlines, dead callees), keeps the owner's
-side of RRefs, and shuts down in step with the other workers."""
+"""The RPC agent of one worker: it sends calls and answers over the wire and runs incoming calls on
+a thread pool, and shuts down in step with the other workers. The calls it waits on live in
+`outstanding.py`, the RRef fork protocol in `forks.py`."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-import pickle
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -19,46 +16,19 @@ import torch
 from shoal.comm import rendezvous
 from shoal.comm.transport import Transport
 from shoal.errors import GroupBrokenError, PeerFailure
-from shoal.rpc.deadlines import Deadlines
+from shoal.rpc import current
+from shoal.rpc.forks import Forks
 from shoal.rpc.future import Future
-from shoal.rpc.message import (
-    CALL,
-    CONTROL,
-    FETCH,
-    REMOTE,
-    REQUEST,
-    RESPONSE,
-    Encoded,
-    FunctionRef,
-    decode,
-    encode,
-    function_ref,
-    pack_error,
-    resolve_function,
-    unpack_error,
-)
-from shoal.rpc.options import RpcBackendOptions, WorkerInfo
-from shoal.rpc.releaser import Releaser
-from shoal.rpc.rref import ForkId, Owned, OwnerTable, RRef, RRefId
+from shoal.rpc.headers import ForkChange, FunctionRef, Kind, Mode, Request, Response
+from shoal.rpc.message import Encoded, decode, encode, function_ref, pack_error, resolve_function, unpack_error
+from shoal.rpc.options import RpcBackendOptions, Timeout, WorkerInfo, timeout_seconds
+from shoal.rpc.outstanding import Call, Outstanding
+from shoal.rpc.rref import Owned, OwnerTable, RRef
 from shoal.rpc.wire import Wire
 
 log = logging.getLogger(__name__)
 
-_current: RpcAgent | None = None
-
-
-def current_agent() -> RpcAgent:
-    if _current is None:
-        raise RuntimeError("RPC is not initialized on this worker; call shoal.rpc.init_rpc() first")
-    return _current
-
-
-@dataclass
-class _Call:
-    future: Future
-    dst: int
-    what: str
-    timeout: float
+To = str | int | WorkerInfo
 
 
 class RpcAgent:
@@ -71,26 +41,23 @@ class RpcAgent:
         self._by_name = {w.name: w for w in workers}
         self.transport, self.store, self.options = transport, store, options
         self.default_timeout = options.rpc_timeout
-        self.rrefs = OwnerTable()
         self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending: dict[int, _Call] = {}
-        # Work a graceful shutdown also waits for: callbacks of completed futures (they may make
-        # RPCs of their own) and objects of remote() calls to ourselves, counted from submission.
-        self._busy = 0
         self._gone: set[int] = set()
-        self._closed = False
+        self._outstanding = Outstanding(self.name, lambda rank: self._workers[rank].name)
         self._pool = ThreadPoolExecutor(options.num_worker_threads, thread_name_prefix=f"shoal-rpc-{self.name}")
-        self._deadlines = Deadlines(self._expire, lambda key: key in self._pending, f"shoal-rpc-deadlines-{self.name}")
-        self._releaser = Releaser(lambda item: self._release_now(*item), f"shoal-rpc-release-{self.name}")
-        self._wire = Wire(transport, self._on_message, timedelta(seconds=options.rpc_timeout))
+        self._wire = Wire(transport, timedelta(seconds=options.rpc_timeout), self.name)
+        self.rrefs = OwnerTable()
+        self._forks = Forks(self.rank, self.rrefs, self.new_id, self._tell_owner,
+                            lambda owner, rref_id, fork_id, entry: RRef._make(self, owner, rref_id, fork_id, entry),
+                            self.name)
+        self._wire.handle(Kind.REQUEST, self._on_request)
+        self._wire.handle(Kind.RESPONSE, self._on_response)
+        self._wire.handle(Kind.CONTROL, lambda src, msg_id, change, body, tensors: self._forks.on_change(change))
         transport.on_peer_failure(self._on_peer_failure)
 
     @classmethod
     def start(cls, name: str, rank: int | None, world_size: int | None, options: RpcBackendOptions) -> RpcAgent:
         """Rendezvous, connect to every other worker, and return once all of them are ready."""
-        global _current
         if not isinstance(name, str) or not name:
             raise ValueError(f"init_rpc: the worker name must be a non-empty string, got {name!r}")
         timeout = timedelta(seconds=options.init_timeout)
@@ -115,13 +82,13 @@ class RpcAgent:
                                  f"{[r for r, n in enumerate(names) if n == name]}; every worker needs its own name")
             workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
             agent = cls(workers[rank], workers, transport, store, options)
-            _current = agent  # calls may arrive as soon as we connect, before init_rpc returns
+            current.set_current(agent)  # calls may arrive as soon as we connect, before init_rpc returns
             transport.connect_mesh({r: (entries[r][1], entries[r][2]) for r in range(rank)}, timeout)
             # Nobody sends before every agent listens for RPC frames.
             store.set(f"ready/{rank}", 1)
             store.wait([f"ready/{r}" for r in range(world_size)], timeout=timeout)
         except BaseException:
-            _current = None
+            current.set_current(None)
             if agent is not None:
                 agent._tear_down(None)  # its threads too, not only the transport
             else:
@@ -131,7 +98,7 @@ class RpcAgent:
 
     # ---- names and ids -----------------------------------------------------------------------
 
-    def worker(self, to: str | int | WorkerInfo) -> WorkerInfo:
+    def worker(self, to: To) -> WorkerInfo:
         """The worker `to` names: a name, a rank or a WorkerInfo."""
         if isinstance(to, WorkerInfo):
             if 0 <= to.id < len(self._workers) and self._workers[to.id] == to:
@@ -151,23 +118,16 @@ class RpcAgent:
         """An id no other worker can draw: (our rank, a number)."""
         return (self.rank, next(self._ids))
 
-    def timeout_seconds(self, timeout: float | timedelta | None) -> float:
-        if timeout is None:
-            return self.default_timeout
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-        if not seconds > 0:
-            raise ValueError(f"an RPC timeout must be a positive number of seconds, got {timeout!r}")
-        return seconds
+    def timeout_seconds(self, timeout: Timeout) -> float:
+        return timeout_seconds(timeout, self.default_timeout)
 
     # ---- making calls ------------------------------------------------------------------------
 
-    def call(self, to: str | int | WorkerInfo, func: Any, args: tuple, kwargs: dict | None,
-             timeout: float | timedelta | None) -> Future:
+    def call(self, to: To, func: Any, args: tuple, kwargs: dict | None, timeout: Timeout) -> Future:
         dst, ref = self.worker(to).id, function_ref(func)
-        return self._request(dst, CALL, ref, None, args, kwargs, timeout, f"{ref[0]}.{ref[1]}")
+        return self._request(dst, Request(Mode.CALL, ref), args, kwargs, timeout, f"{ref[0]}.{ref[1]}")
 
-    def remote(self, to: str | int | WorkerInfo, func: Any, args: tuple, kwargs: dict | None,
-               timeout: float | timedelta | None) -> RRef:
+    def remote(self, to: To, func: Any, args: tuple, kwargs: dict | None, timeout: Timeout) -> RRef:
         dst, ref = self.worker(to).id, function_ref(func)
         if dst == self.rank:  # we are the owner: held by the local RRef alone, until it is forked
             entry = Owned(self.new_id())
@@ -176,73 +136,43 @@ class RpcAgent:
             self._run_callback(lambda: self._create(entry, ref, args, kwargs or {}, created))
             return RRef._make(self, self.rank, entry.rref_id, None, entry, created)
         rref_id, fork_id = self.new_id(), self.new_id()
-        created = self._request(dst, REMOTE, ref, (rref_id, fork_id), args, kwargs, timeout, f"remote {ref[1]}")
+        created = self._request(dst, Request(Mode.REMOTE, ref, rref_id, fork_id), args, kwargs, timeout,
+                                f"remote {ref[1]}")
         return RRef._make(self, dst, rref_id, fork_id, None, created)
 
-    def fetch(self, rref: RRef, timeout: float | timedelta | None) -> Future:
+    def fetch(self, rref: RRef, timeout: Timeout) -> Future:
         """A copy of a referenced object from its owner (`RRef.to_here`)."""
-        return self._request(rref._owner, FETCH, None, (rref._rref_id, None), (), None, timeout, "RRef.to_here")
+        return self._request(rref._owner, Request(Mode.FETCH, rref_id=rref._rref_id), (), None, timeout,
+                             "RRef.to_here")
 
-    def _request(self, dst: int, mode: str, ref: FunctionRef | None, rref_ids: tuple | None, args: tuple,
-                 kwargs: dict | None, timeout: float | timedelta | None, what: str) -> Future:
+    def _request(self, dst: int, header: Request, args: tuple, kwargs: dict | None, timeout: Timeout,
+                 what: str) -> Future:
         seconds = self.timeout_seconds(timeout)
         future: Future = Future(run_callback=self._run_callback)
         # Arguments are pickled apart from the header, so a callee that cannot rebuild them still
         # knows which call (and which remote object) to report the failure for.
-        payload = self._encode_for(dst, (tuple(args), kwargs or {}))
-        body = pickle.dumps((mode, ref, rref_ids, payload.body), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = self._forks.encode_for(dst, (tuple(args), kwargs or {}))
         msg_id = next(self._ids)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"RPC was shut down on worker {self.name!r}")
-            self._pending[msg_id] = _Call(future, dst, what, seconds)
-        self._deadlines.add(time.monotonic() + seconds, msg_id)
+        self._outstanding.add(msg_id, Call(future, dst, what, seconds))
         try:
-            self._wire.send(dst, REQUEST, msg_id, Encoded(body, payload.tensors))
+            self._wire.send(dst, Kind.REQUEST, msg_id, header, payload)
         except PeerFailure as exc:  # the callee is known dead or gone: fail fast
             self.rrefs.drop_holder(dst)  # forks made for this message went nowhere
-            self._finish(msg_id, None, PeerFailure(dst, f"worker {self._workers[dst].name!r}: {exc.detail}"))
+            failure = PeerFailure(dst, f"worker {self._workers[dst].name!r}: {exc.detail}")
+            self._outstanding.finish(msg_id, None, failure)
         except Exception as exc:
-            self._finish(msg_id, None, exc)
+            self._outstanding.finish(msg_id, None, exc)
         return future
 
-    def _finish(self, msg_id: int, value: Any, error: BaseException | None) -> None:
-        with self._lock:
-            call = self._pending.pop(msg_id, None)
-            if call is None:
-                return
-            self._busy += 1  # until its callbacks are counted themselves: we must not look idle between
-        try:
-            call.future._complete(value, error)
-        finally:
-            self._work_done()
-
-    def _is_idle(self) -> bool:
-        return not self._pending and not self._busy
-
-    def _work_done(self) -> None:
-        with self._lock:
-            self._busy -= 1
-            if self._is_idle():
-                self._idle.notify_all()
-
-    def _expire(self, msg_id: int) -> None:
-        call = self._pending.get(msg_id)
-        if call is not None:
-            self._finish(msg_id, None, TimeoutError(
-                f"RPC {call.what} to worker {self._workers[call.dst].name!r} did not complete within "
-                f"{call.timeout:g}s"))
-
     def _run_callback(self, callback: Any) -> None:
-        with self._lock:
-            self._busy += 1
+        self._outstanding.work_started()
         self._submit(self._run_counted, callback)
 
     def _run_counted(self, callback: Any) -> None:
         try:
             callback()
         finally:
-            self._work_done()
+            self._outstanding.work_done()
 
     def _submit(self, fn: Any, *args: Any) -> None:
         try:
@@ -250,55 +180,34 @@ class RpcAgent:
         except RuntimeError:  # the pool is shut down: nothing else will run it
             fn(*args)
 
-    # ---- the wire ----------------------------------------------------------------------------
+    def _tell_owner(self, owner: int, change: ForkChange) -> None:
+        self._wire.send(owner, Kind.CONTROL, next(self._ids), change, Encoded(b""))
 
-    def _encode_for(self, dst: int, body: Any) -> Encoded:
-        """Pickle `body` for `dst`, forking every RRef in it; undo the forks if pickling fails."""
-        forks: list[tuple] = []
-
-        def token(rref: RRef) -> tuple:
-            forks.append(self._fork(rref, dst))
-            return forks[-1]
-
-        try:
-            return encode(body, token)
-        except BaseException:
-            for fork in forks:
-                self._releaser.put(fork)
-            raise
-
-    def _on_message(self, src: int, kind: int, msg_id: int, body: bytes | bytearray,
-                    tensors: list[torch.Tensor]) -> None:
-        try:
-            if kind == REQUEST:
-                self._on_request(src, msg_id, body, tensors)
-            elif kind == RESPONSE:
-                self._on_response(src, msg_id, body, tensors)
-            elif kind == CONTROL:
-                self._on_control(decode(body, []))
-        except Exception:  # one bad message must not take the connection down with it
-            log.exception("worker %r: RPC message %d from rank %d could not be handled", self.name, msg_id, src)
+    def release(self, owner: int, rref_id: Any, fork_id: Any) -> None:
+        """A user RRef is gone (called from its __del__)."""
+        self._forks.release(owner, rref_id, fork_id)
 
     # ---- serving calls -----------------------------------------------------------------------
 
-    def _on_request(self, src: int, msg_id: int, body: bytes | bytearray, tensors: list[torch.Tensor]) -> None:
+    def _on_request(self, src: int, msg_id: int, header: Request, body: bytes | bytearray,
+                    tensors: list[torch.Tensor]) -> None:
         # Runs on the reader thread, in arrival order: RRef forks in the arguments and the entry of
         # a remote() call are registered before any later message from the same worker is seen.
-        mode, ref, rref_ids, payload = pickle.loads(body)
-        entry = self.rrefs.created_remotely(rref_ids[0], rref_ids[1], src) if mode == REMOTE else None
+        mode = header.mode
+        entry = self.rrefs.created_remotely(header.rref_id, header.fork_id, src) if mode is Mode.REMOTE else None
         try:
-            args, kwargs = decode(payload, tensors, self._adopt)
+            args, kwargs = decode(body, tensors, self._forks.adopt)
         except Exception as exc:
             if entry is not None:
                 entry.value.set_exception(exc)
             self._submit(self._reply, src, msg_id, None, exc)
             return
-        if mode == CALL:
-            self._submit(self._serve_call, src, msg_id, ref, args, kwargs)
-        elif mode == REMOTE:
-            self._submit(self._serve_remote, src, msg_id, ref, args, kwargs, entry)
-        elif mode == FETCH:
-            owned = self.rrefs.entry(rref_ids[0])
+        if mode is Mode.CALL:
+            self._submit(self._serve_call, src, msg_id, header.function, args, kwargs)
+        elif mode is Mode.REMOTE:
+            self._submit(self._serve_remote, src, msg_id, header.function, args, kwargs, entry)
+        elif mode is Mode.FETCH:
+            owned = self.rrefs.entry(header.rref_id)
             owned.value.add_done_callback(lambda done: self._submit(self._reply_with, src, msg_id, done))
 
     def _serve_call(self, src: int, msg_id: int, ref: FunctionRef, args: tuple, kwargs: dict) -> None:
@@ -330,13 +239,13 @@ class RpcAgent:
     def _reply(self, dst: int, msg_id: int, value: Any, error: BaseException | None) -> None:
         if error is None:
             try:
-                message = self._encode_for(dst, ("ok", value))
+                payload = self._forks.encode_for(dst, value)
             except Exception as exc:
                 error = TypeError(f"the result ({type(value).__name__}) could not be sent back: {exc}")
         if error is not None:
-            message = encode(("error", pack_error(error, self.name)))
+            payload = encode(pack_error(error, self.name))
         try:
-            self._wire.send(dst, RESPONSE, msg_id, message)
+            self._wire.send(dst, Kind.RESPONSE, msg_id, Response(ok=error is None), payload)
         except PeerFailure as exc:
             self.rrefs.drop_holder(dst)  # the caller is gone, with every fork it held
             log.debug("worker %r: the answer to rank %d was lost: %s", self.name, dst, exc)
@@ -344,64 +253,27 @@ class RpcAgent:
             # Shutting down, or the answer is still queued: the caller lives, and so do its forks.
             log.debug("worker %r: the answer to rank %d did not leave in time: %s", self.name, dst, exc)
 
-    def _on_response(self, src: int, msg_id: int, body: bytes | bytearray, tensors: list[torch.Tensor]) -> None:
+    def _on_response(self, src: int, msg_id: int, header: Response, body: bytes | bytearray,
+                     tensors: list[torch.Tensor]) -> None:
         # Decoded even when the call has timed out meanwhile: RRefs in it must be adopted (and then
         # released), or their owner would keep the objects forever.
         try:
-            status, payload = decode(body, tensors, self._adopt)
-            value, error = (payload, None) if status == "ok" else (None, unpack_error(payload))
+            payload = decode(body, tensors, self._forks.adopt)
+            value, error = (payload, None) if header.ok else (None, unpack_error(payload))
         except Exception as exc:
             value, error = None, RuntimeError(f"the answer from worker {self._workers[src].name!r} could not "
                                               f"be rebuilt: {exc}")
-        call = self._pending.get(msg_id)
+        call = self._outstanding.get(msg_id)
         if call is not None and call.dst == src:
-            self._finish(msg_id, value, error)
-
-    # ---- RRef forks (see rref.py for the protocol) -------------------------------------------
-
-    def _fork(self, rref: RRef, holder: int) -> tuple[int, RRefId, ForkId]:
-        fork_id = self.new_id()
-        if rref._entry is not None:
-            self.rrefs.add_fork(rref._entry, fork_id, holder)
-        else:  # tell the owner before the message carrying the fork can reach anyone
-            self._wire.send(rref._owner, CONTROL, next(self._ids), encode(("add", rref._rref_id, fork_id, holder)))
-        return (rref._owner, rref._rref_id, fork_id)
-
-    def _adopt(self, token: tuple[int, RRefId, ForkId]) -> RRef:
-        owner, rref_id, fork_id = token
-        if owner != self.rank:
-            return RRef._make(self, owner, rref_id, fork_id, None)
-        rref = RRef._make(self, owner, rref_id, None, self.rrefs.entry(rref_id))
-        self.rrefs.delete_fork(rref_id, fork_id)  # the local RRef holds the object from now on
-        return rref
-
-    def _on_control(self, body: tuple) -> None:
-        action, rref_id, fork_id, holder = body
-        if action == "add":
-            self.rrefs.add_fork(rref_id, fork_id, holder)
-        elif action == "delete":
-            self.rrefs.delete_fork(rref_id, fork_id)
-
-    def release(self, owner: int, rref_id: RRefId, fork_id: ForkId) -> None:
-        """A user RRef is gone (called from its __del__)."""
-        self._releaser.put((owner, rref_id, fork_id))
-
-    def _release_now(self, owner: int, rref_id: RRefId, fork_id: ForkId) -> None:
-        if owner == self.rank:
-            self.rrefs.delete_fork(rref_id, fork_id)
-        else:
-            self._wire.send(owner, CONTROL, next(self._ids), encode(("delete", rref_id, fork_id, None)))
+            self._outstanding.finish(msg_id, value, error)
 
     # ---- failures and shutdown ---------------------------------------------------------------
 
     def _on_peer_failure(self, error: PeerFailure) -> None:
         rank = error.rank
-        with self._lock:
-            self._gone.add(rank)
-            failed = [msg_id for msg_id, call in self._pending.items() if call.dst == rank]
+        self._gone.add(rank)
         self._wire.forget(rank)
-        for msg_id in failed:
-            self._finish(msg_id, None, PeerFailure(rank, f"worker {self._workers[rank].name!r}: {error.detail}"))
+        self._outstanding.fail_calls_to(rank, PeerFailure(rank, f"worker {self._workers[rank].name!r}: {error.detail}"))
         self.rrefs.drop_holder(rank)
 
     def shutdown(self, graceful: bool, timeout: float | None) -> None:
@@ -411,11 +283,8 @@ class RpcAgent:
         deadline = time.monotonic() + (timeout or self.options.shutdown_timeout)
         try:
             if graceful:
-                with self._lock:
-                    if not self._idle.wait_for(self._is_idle, max(0.0, deadline - time.monotonic())):
-                        raise TimeoutError(f"worker {self.name!r}: {len(self._pending)} RPCs and {self._busy} "
-                                           f"callbacks still outstanding at the shutdown deadline")
-                self._releaser.flush(max(0.0, deadline - time.monotonic()))  # before we say we are done
+                self._outstanding.wait_idle(deadline)
+                self._forks.flush(max(0.0, deadline - time.monotonic()))  # before we say we are done
                 self._wait_for_everyone(deadline)
                 everyone_done = True
         finally:
@@ -442,13 +311,8 @@ class RpcAgent:
 
     def _tear_down(self, deadline: float | None) -> None:
         """Close everything; with a deadline, also wait until then for calls still being served."""
-        with self._lock:
-            self._closed = True
-            pending, self._pending = self._pending, {}
-        for call in pending.values():
-            call.future._complete(None, RuntimeError(f"RPC was shut down on worker {self.name!r} before "
-                                                     f"{call.what} completed"))
-        self._releaser.stop(timeout=5.0)
+        self._outstanding.close()
+        self._forks.stop(timeout=5.0)
         self.transport.close(timedelta(seconds=5))
         # Not cancelled: callbacks of the futures failed above are queued there, and a future's
         # callback must run (calls from others that are queued fail fast on the closed transport).
@@ -458,4 +322,3 @@ class RpcAgent:
             # (ThreadPoolExecutor offers no public way to join its threads with a timeout.)
             for thread in list(self._pool._threads):
                 thread.join(max(0.0, deadline - time.monotonic()))
-        self._deadlines.stop()

@@ -13,17 +13,14 @@ rpc.shutdown()                                          # waits for every worker
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
-from shoal.rpc import agent as _agent_module
-from shoal.rpc.agent import RpcAgent, current_agent
+from shoal.rpc import current
+from shoal.rpc.agent import RpcAgent, To
+from shoal.rpc.current import current_agent
 from shoal.rpc.future import Future
-from shoal.rpc.options import RpcBackendOptions, WorkerInfo
+from shoal.rpc.options import RpcBackendOptions, Timeout, WorkerInfo
 from shoal.rpc.rref import RRef
-
-Timeout = float | timedelta | None
-To = str | int | WorkerInfo
 
 
 def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
@@ -33,20 +30,21 @@ def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
     Rank and world size default to the RANK and WORLD_SIZE variables, as for process groups; a
     process group may use the same MASTER_ADDR:MASTER_PORT.
     """
-    if _agent_module._current is not None:
-        raise RuntimeError(f"RPC is already initialized on this worker (as {_agent_module._current.name!r}); "
+    running = current.current_or_none()
+    if running is not None:
+        raise RuntimeError(f"RPC is already initialized on this worker (as {running.name!r}); "
                            f"call shoal.rpc.shutdown() first")
     RpcAgent.start(name, rank, world_size, rpc_backend_options or RpcBackendOptions())
 
 
-def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
+def shutdown(graceful: bool = True, timeout: Timeout = None) -> None:
     """Leave the RPC group. Graceful (the default): first wait until every worker's outstanding calls
-    are done, serving the others meanwhile; `timeout` (seconds) bounds that wait."""
+    are done, serving the others meanwhile; `timeout` (seconds or a timedelta) bounds that wait."""
     agent = current_agent()
     try:
-        agent.shutdown(graceful, timeout)
+        agent.shutdown(graceful, None if timeout is None else agent.timeout_seconds(timeout))
     finally:
-        _agent_module._current = None
+        current.set_current(None)
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:

@@ -21,11 +21,8 @@ from typing import Any
 
 import torch
 
-REQUEST, RESPONSE, CONTROL = 1, 2, 3
-# What a request asks of the callee.
-CALL, REMOTE, FETCH = "call", "remote", "fetch"
+from shoal.rpc.headers import FunctionRef
 
-FunctionRef = tuple[str, str]  # (module, qualified name)
 RRefToken = Callable[[Any], tuple]
 AdoptRRef = Callable[[tuple], Any]
 
@@ -36,15 +33,6 @@ class Encoded:
 
     body: bytes
     tensors: list[torch.Tensor] = field(default_factory=list)
-
-
-def tag_of(kind: int, tensor_count: int) -> int:
-    """The frame tag: message kind and how many tensor frames precede the body."""
-    return kind << 32 | tensor_count
-
-
-def split_tag(tag: int) -> tuple[int, int]:
-    return tag >> 32, tag & 0xFFFF_FFFF
 
 
 class _Pickler(pickle.Pickler):

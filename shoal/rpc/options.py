@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 
 @dataclass(frozen=True)
@@ -35,3 +36,19 @@ class RpcBackendOptions:
                                  f"got {getattr(self, name)!r}")
         if self.num_worker_threads < 1:
             raise ValueError(f"RpcBackendOptions.num_worker_threads must be at least 1, got {self.num_worker_threads}")
+
+
+Timeout = float | timedelta | None
+UNSET_RPC_TIMEOUT = -1.0
+"""torch.distributed.rpc's marker for "the agent's default"; accepted here too."""
+
+
+def timeout_seconds(timeout: Timeout, default: float) -> float:
+    """A call's timeout in seconds: `default` for None (or UNSET_RPC_TIMEOUT), else a positive
+    number of seconds or a timedelta. The one conversion every RPC timeout goes through."""
+    if timeout is None or timeout == UNSET_RPC_TIMEOUT:
+        return default
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"an RPC timeout must be a positive number of seconds, got {timeout!r}")
+    return seconds

@@ -17,15 +17,15 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from shoal.rpc.current import current_agent
 from shoal.rpc.future import Future
+from shoal.rpc.headers import ForkId, RRefId
 
 if TYPE_CHECKING:
     from shoal.rpc.agent import RpcAgent
-    from shoal.rpc.options import WorkerInfo
+    from shoal.rpc.options import Timeout, WorkerInfo
 
 T = TypeVar("T")
-RRefId = tuple[int, int]  # (rank that created it, number)
-ForkId = tuple[int, int]
 
 
 class Owned:
@@ -123,8 +123,6 @@ class RRef(Generic[T]):
     _is_shoal_rref = True  # recognized by the message pickler without importing this module there
 
     def __init__(self, value: T) -> None:
-        from shoal.rpc.agent import current_agent
-
         agent = current_agent()
         entry = agent.rrefs.local(agent.new_id(), value)
         self._set(agent, agent.rank, entry.rref_id, None, entry)
@@ -161,7 +159,7 @@ class RRef(Generic[T]):
                                f"{self._agent.name!r} holds a reference only: use to_here() to fetch a copy")
         return self._entry.value.wait(self._agent.default_timeout)
 
-    def to_here(self, timeout: float | None = None) -> T:
+    def to_here(self, timeout: Timeout = None) -> T:
         """A copy of the object (the object itself on its owner); raises what creating it raised."""
         if self._entry is not None:
             return self._entry.value.wait(self._agent.timeout_seconds(timeout))
@@ -175,15 +173,15 @@ class RRef(Generic[T]):
         done.set_result(None)
         return done
 
-    def rpc_sync(self, timeout: float | None = None) -> Any:
+    def rpc_sync(self, timeout: Timeout = None) -> Any:
         """`rref.rpc_sync().method(*args)` runs `method` on the object, on its owner, and waits."""
         return _Proxy(self, "rpc_sync", timeout)
 
-    def rpc_async(self, timeout: float | None = None) -> Any:
+    def rpc_async(self, timeout: Timeout = None) -> Any:
         """`rref.rpc_async().method(*args)` returns a Future of the method's result."""
         return _Proxy(self, "rpc_async", timeout)
 
-    def remote(self, timeout: float | None = None) -> Any:
+    def remote(self, timeout: Timeout = None) -> Any:
         """`rref.remote().method(*args)` returns an RRef to the method's result, kept on the owner."""
         return _Proxy(self, "remote", timeout)
 
@@ -200,18 +198,20 @@ class RRef(Generic[T]):
 
 
 class _Proxy:
-    """Turns `proxy.name(*args)` into a call of the method `name` of the RRef's object on its owner."""
+    """Turns `proxy.name(*args)` into a call of the method `name` of the RRef's object on its owner,
+    through the agent the RRef belongs to."""
 
-    def __init__(self, rref: RRef, mode: str, timeout: float | None) -> None:
+    def __init__(self, rref: RRef, mode: str, timeout: Timeout) -> None:
         self._rref, self._mode, self._timeout = rref, mode, timeout
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            from shoal.rpc import api
-
-            start = getattr(api, self._mode)
-            return start(self._rref.owner(), invoke_method, args=(self._rref, name, args, kwargs),
-                         timeout=self._timeout)
+            rref, agent = self._rref, self._rref._agent
+            method_args = (rref, name, args, kwargs)
+            if self._mode == "remote":
+                return agent.remote(rref._owner, invoke_method, method_args, None, self._timeout)
+            future = agent.call(rref._owner, invoke_method, method_args, None, self._timeout)
+            return future.wait() if self._mode == "rpc_sync" else future
 
         return call
 

@@ -1,52 +1,71 @@
-"""RPC messages over the transport: each tensor as a frame of its own, then the body that completes
-the message; on arrival, tensor frames become tensors (fresh ones, or views of the shared-memory slot
-they came in) and wait for their body."""
+"""RPC messages over the transport: each tensor as a frame of its own, then the body (typed header
+and payload) that completes the message; on arrival, tensor frames become tensors (fresh ones, or
+views of the shared-memory slot they came in), wait for their body, and the whole message goes to
+the handler registered for its kind."""
 
 from __future__ import annotations
 
+import logging
+import pickle
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 
 from shoal.comm.frames import Op, Payload, SendTracker
 from shoal.comm.ring import as_bytes
 from shoal.comm.transport import Transport
-from shoal.rpc.message import Encoded, split_tag, tag_of
+from shoal.rpc.headers import Kind
+from shoal.rpc.message import Encoded
+
+log = logging.getLogger(__name__)
 
 # The transport group whose frames are RPC messages; process groups number theirs up from 0.
 RPC_GROUP = 0xFFFF_FF00
 _SIGNATURE = (0, 0, 0, 0, 0)  # RPC frames are matched by message id, not by a collective's signature
 
-# on_message(src, kind, message id, body, tensors)
-MessageHandler = Callable[[int, int, int, bytes | bytearray, list[torch.Tensor]], None]
+# handler(src, message id, header, payload body, tensors)
+Handler = Callable[[int, int, Any, bytes | bytearray, list[torch.Tensor]], None]
+
+
+def _tag(kind: Kind, tensor_count: int) -> int:
+    """The frame tag: message kind and how many tensor frames precede the body."""
+    return kind << 32 | tensor_count
 
 
 class Wire:
     """Sends and receives whole RPC messages between this worker and the others (itself included)."""
 
-    def __init__(self, transport: Transport, on_message: MessageHandler, stall_timeout: timedelta) -> None:
+    def __init__(self, transport: Transport, stall_timeout: timedelta, name: str) -> None:
         self.transport = transport
         self.rank = transport.rank
-        self._on_message = on_message
+        self._name = name
         self._stall_timeout = stall_timeout
+        self._handlers: dict[Kind, Handler] = {}
         self._partial: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # tensor frames before their body
         transport.serve(RPC_GROUP, self._on_frame)
 
-    def send(self, dst: int, kind: int, msg_id: int, message: Encoded) -> None:
-        """Queue `message` for `dst` (PeerFailure if it is known to be gone); frames of one message
+    def handle(self, kind: Kind, handler: Handler) -> None:
+        """Route messages of `kind` to `handler`; it runs on the connection's reader thread, in
+        arrival order, so it must hand anything slow or blocking to a thread of its own."""
+        self._handlers[kind] = handler
+
+    def send(self, dst: int, kind: Kind, msg_id: int, header: Any, payload: Encoded) -> None:
+        """Queue a message for `dst` (PeerFailure if it is known to be gone); frames of one message
         leave in order, so its body arrives after its tensors."""
         if dst == self.rank:  # a message to ourselves: same path, minus the sockets
-            self._on_message(self.rank, kind, msg_id, message.body, [t.clone() for t in message.tensors])
+            self._dispatch(self.rank, kind, msg_id, header, payload.body, [t.clone() for t in payload.tensors])
             return
-        op = Op(RPC_GROUP, tag_of(kind, len(message.tensors)), msg_id, _SIGNATURE, (dst,), self._stall_timeout,
+        body = pickle.dumps((header, payload.body), protocol=pickle.HIGHEST_PROTOCOL)
+        op = Op(RPC_GROUP, _tag(kind, len(payload.tensors)), msg_id, _SIGNATURE, (dst,), self._stall_timeout,
                 "rpc", lambda sig: "an RPC message")
         tracker = SendTracker()
-        for sub, tensor in enumerate(message.tensors, start=1):
+        for sub, tensor in enumerate(payload.tensors, start=1):
             self.transport.send(op, dst, sub, as_bytes(tensor), tracker, eager=True)
-        self.transport.send(op, dst, 0, memoryview(message.body), tracker, eager=True)
-        if message.tensors:
+        self.transport.send(op, dst, 0, memoryview(body), tracker, eager=True)
+        if payload.tensors:
             # Tensor frames are sent from the tensors' own memory: return only once it has been
             # read, so that a caller (or a callee whose result is a live parameter) may change
             # them in place at once. Usually written already, by this thread (eager).
@@ -59,7 +78,7 @@ class Wire:
             self._partial.pop(key, None)
 
     def _on_frame(self, src: int, tag: int, seq: int, sub: int, nbytes: int, payload: Payload) -> None:
-        kind, tensor_count = split_tag(tag)
+        kind, tensor_count = tag >> 32, tag & 0xFFFF_FFFF
         key = (src, kind, seq)
         if sub:
             # A tensor in a shared-memory slot is used where it lies: one copy per hop, not two.
@@ -75,4 +94,17 @@ class Wire:
         if len(tensors) != tensor_count:
             raise ConnectionError(f"RPC message {seq} from rank {src} came with {len(tensors)} of its "
                                   f"{tensor_count} tensors")
-        self._on_message(src, kind, seq, body, tensors)
+        try:
+            header, inner = pickle.loads(body)
+        except Exception:  # one bad message must not take the connection down with it
+            log.exception("worker %r: RPC message %d from rank %d has no readable header", self._name, seq, src)
+            return
+        self._dispatch(src, Kind(kind), seq, header, inner, tensors)
+
+    def _dispatch(self, src: int, kind: Kind, msg_id: int, header: Any, body: bytes | bytearray,
+                  tensors: list[torch.Tensor]) -> None:
+        try:
+            self._handlers[kind](src, msg_id, header, body, tensors)
+        except Exception:  # one bad message must not take the connection down with it
+            log.exception("worker %r: RPC %s %d from rank %d could not be handled", self._name, kind.name,
+                          msg_id, src)

@@ -1,0 +1,61 @@
+"""The typed headers of RPC messages: what a request asks, how its answer went, and the RRef
+bookkeeping between owners and holders. Each travels pickled in front of its payload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+FunctionRef = tuple[str, str]  # (module, qualified name)
+RRefId = tuple[int, int]  # (rank that created it, number)
+ForkId = tuple[int, int]
+
+
+class Kind(int, Enum):
+    """The kind of an RPC message; the wire hands each kind to its own handler."""
+
+    REQUEST = 1
+    RESPONSE = 2
+    CONTROL = 3
+
+
+class Mode(str, Enum):
+    """What a request asks of the callee."""
+
+    CALL = "call"  # run a function, answer with its result
+    REMOTE = "remote"  # run a function, keep its result as an owned object (remote())
+    FETCH = "fetch"  # answer with a copy of an owned object (RRef.to_here())
+
+
+@dataclass(frozen=True, slots=True)
+class AutogradTag:
+    """Names the distributed autograd context a message belongs to, and the send recorded on its
+    sender for the tensors in it that require grad (None when it has none)."""
+
+    context_id: int
+    send_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    mode: Mode
+    function: FunctionRef | None = None
+    rref_id: RRefId | None = None
+    fork_id: ForkId | None = None
+    autograd: AutogradTag | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    ok: bool
+    autograd: AutogradTag | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ForkChange:
+    """A holder tells an owner that a fork of its object was made ("add") or dropped ("delete")."""
+
+    action: str
+    rref_id: RRefId
+    fork_id: ForkId
+    holder: int | None = None
