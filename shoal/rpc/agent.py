@@ -7,7 +7,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -16,10 +19,11 @@ import torch
 from shoal.comm import rendezvous
 from shoal.comm.transport import Transport
 from shoal.errors import GroupBrokenError, PeerFailure
-from shoal.rpc import current
+from shoal.rpc import autograd_hook, current
 from shoal.rpc.forks import Forks
+from shoal.rpc.functions import is_async_execution
 from shoal.rpc.future import Future
-from shoal.rpc.headers import ForkChange, FunctionRef, Kind, Mode, Request, Response
+from shoal.rpc.headers import AutogradTag, ForkChange, FunctionRef, Kind, Mode, Request, Response
 from shoal.rpc.message import Encoded, decode, encode, function_ref, pack_error, resolve_function, unpack_error
 from shoal.rpc.options import RpcBackendOptions, Timeout, WorkerInfo, timeout_seconds
 from shoal.rpc.outstanding import Call, Outstanding
@@ -27,6 +31,14 @@ from shoal.rpc.rref import Owned, OwnerTable, RRef
 from shoal.rpc.wire import Wire
 
 log = logging.getLogger(__name__)
+
+
+def _outcome(done: torch.futures.Future) -> tuple[Any, BaseException | None]:
+    """(value, None) or (None, error) of a completed future, ours or any torch.futures.Future."""
+    try:
+        return done.value(), None
+    except BaseException as exc:
+        return None, exc
 
 To = str | int | WorkerInfo
 
@@ -82,6 +94,9 @@ class RpcAgent:
                                  f"{[r for r, n in enumerate(names) if n == name]}; every worker needs its own name")
             workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
             agent = cls(workers[rank], workers, transport, store, options)
+            hook = autograd_hook.installed()
+            if hook is not None:
+                hook.started(rank)
             current.set_current(agent)  # calls may arrive as soon as we connect, before init_rpc returns
             transport.connect_mesh({r: (entries[r][1], entries[r][2]) for r in range(rank)}, timeout)
             # Nobody sends before every agent listens for RPC frames.
@@ -133,7 +148,8 @@ class RpcAgent:
             entry = Owned(self.new_id())
             entry.created = True
             created: Future[None] = Future(run_callback=self._run_callback)
-            self._run_callback(lambda: self._create(entry, ref, args, kwargs or {}, created))
+            tag = self._outgoing_tag(dst, None, self._current_context())  # no message: only the context
+            self._run_callback(lambda: self._create(entry, ref, args, kwargs or {}, tag, created))
             return RRef._make(self, self.rank, entry.rref_id, None, entry, created)
         rref_id, fork_id = self.new_id(), self.new_id()
         created = self._request(dst, Request(Mode.REMOTE, ref, rref_id, fork_id), args, kwargs, timeout,
@@ -152,6 +168,7 @@ class RpcAgent:
         # Arguments are pickled apart from the header, so a callee that cannot rebuild them still
         # knows which call (and which remote object) to report the failure for.
         payload = self._forks.encode_for(dst, (tuple(args), kwargs or {}))
+        header = replace(header, autograd=self._outgoing_tag(dst, payload, self._current_context()))
         msg_id = next(self._ids)
         self._outstanding.add(msg_id, Call(future, dst, what, seconds))
         try:
@@ -180,6 +197,31 @@ class RpcAgent:
         except RuntimeError:  # the pool is shut down: nothing else will run it
             fn(*args)
 
+    # ---- distributed autograd (see autograd_hook.py) -----------------------------------------
+
+    def _current_context(self) -> int | None:
+        hook = autograd_hook.installed()
+        return hook.current_context() if hook is not None else None
+
+    def _outgoing_tag(self, dst: int, payload: Encoded | None, context_id: int | None) -> AutogradTag | None:
+        """The tag a message in `context_id` carries; records its tensors that require grad as a send."""
+        if context_id is None:
+            return None
+        hook = autograd_hook.installed()
+        send_id = None
+        if payload is not None and payload.grad_tensors and hook is not None:
+            send_id = hook.record_send(context_id, dst, payload.grad_tensors)
+        return AutogradTag(context_id, send_id)
+
+    def _record_arrival(self, src: int, tag: AutogradTag | None, grad_tensors: dict[int, torch.Tensor]) -> None:
+        hook = autograd_hook.installed()
+        if tag is not None and tag.send_id is not None and hook is not None:
+            hook.record_recv(tag.context_id, src, tag.send_id, grad_tensors)
+
+    def _in_context(self, tag: AutogradTag | None) -> AbstractContextManager[None]:
+        hook = autograd_hook.installed()
+        return hook.serving(tag.context_id) if tag is not None and hook is not None else nullcontext()
+
     def _tell_owner(self, owner: int, change: ForkChange) -> None:
         self._wire.send(owner, Kind.CONTROL, next(self._ids), change, Encoded(b""))
 
@@ -193,59 +235,75 @@ class RpcAgent:
                     tensors: list[torch.Tensor]) -> None:
         # Runs on the reader thread, in arrival order: RRef forks in the arguments and the entry of
         # a remote() call are registered before any later message from the same worker is seen.
-        mode = header.mode
+        mode, tag = header.mode, header.autograd
         entry = self.rrefs.created_remotely(header.rref_id, header.fork_id, src) if mode is Mode.REMOTE else None
         try:
-            args, kwargs = decode(body, tensors, self._forks.adopt)
+            grad_tensors: dict[int, torch.Tensor] = {}
+            args, kwargs = decode(body, tensors, self._forks.adopt, grad_tensors)
+            self._record_arrival(src, tag, grad_tensors)
         except Exception as exc:
             if entry is not None:
                 entry.value.set_exception(exc)
-            self._submit(self._reply, src, msg_id, None, exc)
+            self._submit(self._reply, src, msg_id, None, exc, None)
             return
         if mode is Mode.CALL:
-            self._submit(self._serve_call, src, msg_id, header.function, args, kwargs)
+            self._submit(self._run_function, header.function, args, kwargs, tag,
+                         lambda value, error: self._reply(src, msg_id, value, error, tag))
         elif mode is Mode.REMOTE:
-            self._submit(self._serve_remote, src, msg_id, header.function, args, kwargs, entry)
+            self._submit(self._serve_remote, src, msg_id, header.function, args, kwargs, entry, tag)
         elif mode is Mode.FETCH:
             owned = self.rrefs.entry(header.rref_id)
-            owned.value.add_done_callback(lambda done: self._submit(self._reply_with, src, msg_id, done))
+            owned.value.add_done_callback(
+                lambda done: self._submit(lambda: self._reply(src, msg_id, *_outcome(done), tag)))
 
-    def _serve_call(self, src: int, msg_id: int, ref: FunctionRef, args: tuple, kwargs: dict) -> None:
+    def _run_function(self, ref: FunctionRef, args: tuple, kwargs: dict, tag: AutogradTag | None,
+                      settle: Callable[[Any, BaseException | None], None]) -> None:
+        """Run a requested function in its caller's autograd context; `settle(value, error)` gets
+        the outcome at once or, for an @async_execution function, once its future completes."""
         try:
-            result = resolve_function(ref, self.name)(*args, **kwargs)
+            func = resolve_function(ref, self.name)
+            with self._in_context(tag):
+                result = func(*args, **kwargs)
+            answers_later = is_async_execution(func)
+            if answers_later and not isinstance(result, torch.futures.Future):
+                raise TypeError(f"{ref[0]}.{ref[1]} is an @async_execution function, so it must return a future, "
+                                f"not {type(result).__name__}")
         except BaseException as exc:  # SystemExit too: the caller must hear of it, not time out
-            self._reply(src, msg_id, None, exc)
+            settle(None, exc)
             return
-        self._reply(src, msg_id, result, None)
+        if answers_later:  # settled from a pool thread: the future may complete anywhere
+            result.add_done_callback(lambda done: self._submit(settle, *_outcome(done)))
+        else:
+            settle(result, None)
 
-    def _serve_remote(self, src: int, msg_id: int, ref: FunctionRef, args: tuple, kwargs: dict, entry: Owned) -> None:
-        done: Future[None] = Future()
-        self._create(entry, ref, args, kwargs, done)
-        self._reply(src, msg_id, None, done.exception())
+    def _serve_remote(self, src: int, msg_id: int, ref: FunctionRef, args: tuple, kwargs: dict, entry: Owned,
+                      tag: AutogradTag | None) -> None:
+        created: Future[None] = Future(run_callback=self._run_callback)
+        self._create(entry, ref, args, kwargs, tag, created)
+        created.add_done_callback(lambda done: self._reply(src, msg_id, None, done.exception(), tag))
 
-    def _create(self, entry: Owned, ref: FunctionRef, args: tuple, kwargs: dict, done: Future[None]) -> None:
-        """Compute the object of a remote() call into its entry; `done` reports how that went."""
-        try:
-            entry.value.set_result(resolve_function(ref, self.name)(*args, **kwargs))
-            done.set_result(None)
-        except BaseException as exc:
-            entry.value.set_exception(exc)
-            done.set_exception(exc)
+    def _create(self, entry: Owned, ref: FunctionRef, args: tuple, kwargs: dict, tag: AutogradTag | None,
+                created: Future[None]) -> None:
+        """Compute the object of a remote() call into its entry; `created` reports how that went."""
+        def settle(value: Any, error: BaseException | None) -> None:
+            entry.value._complete(value, error)
+            created._complete(None, error)
 
-    def _reply_with(self, dst: int, msg_id: int, done: Future) -> None:
-        error = done.exception()
-        self._reply(dst, msg_id, None if error is not None else done.value(), error)
+        self._run_function(ref, args, kwargs, tag, settle)
 
-    def _reply(self, dst: int, msg_id: int, value: Any, error: BaseException | None) -> None:
+    def _reply(self, dst: int, msg_id: int, value: Any, error: BaseException | None, tag: AutogradTag | None) -> None:
+        """Answer a request; tensors in the answer that require grad are a send of the request's context."""
+        answer_tag = None
         if error is None:
             try:
                 payload = self._forks.encode_for(dst, value)
+                answer_tag = self._outgoing_tag(dst, payload, tag.context_id if tag is not None else None)
             except Exception as exc:
                 error = TypeError(f"the result ({type(value).__name__}) could not be sent back: {exc}")
         if error is not None:
             payload = encode(pack_error(error, self.name))
         try:
-            self._wire.send(dst, Kind.RESPONSE, msg_id, Response(ok=error is None), payload)
+            self._wire.send(dst, Kind.RESPONSE, msg_id, Response(ok=error is None, autograd=answer_tag), payload)
         except PeerFailure as exc:
             self.rrefs.drop_holder(dst)  # the caller is gone, with every fork it held
             log.debug("worker %r: the answer to rank %d was lost: %s", self.name, dst, exc)
@@ -258,7 +316,9 @@ class RpcAgent:
         # Decoded even when the call has timed out meanwhile: RRefs in it must be adopted (and then
         # released), or their owner would keep the objects forever.
         try:
-            payload = decode(body, tensors, self._forks.adopt)
+            grad_tensors: dict[int, torch.Tensor] = {}
+            payload = decode(body, tensors, self._forks.adopt, grad_tensors)
+            self._record_arrival(src, header.autograd, grad_tensors)
             value, error = (payload, None) if header.ok else (None, unpack_error(payload))
         except Exception as exc:
             value, error = None, RuntimeError(f"the answer from worker {self._workers[src].name!r} could not "
@@ -275,6 +335,9 @@ class RpcAgent:
         self._wire.forget(rank)
         self._outstanding.fail_calls_to(rank, PeerFailure(rank, f"worker {self._workers[rank].name!r}: {error.detail}"))
         self.rrefs.drop_holder(rank)
+        hook = autograd_hook.installed()
+        if hook is not None:
+            hook.peer_failed(rank)
 
     def shutdown(self, graceful: bool, timeout: float | None) -> None:
         """Graceful: wait for our calls, tell the others we are done, and keep serving theirs until

@@ -19,13 +19,15 @@ from shoal.rpc import current
 from shoal.rpc.agent import RpcAgent, To
 from shoal.rpc.current import current_agent
 from shoal.rpc.future import Future
-from shoal.rpc.options import RpcBackendOptions, Timeout, WorkerInfo
+from shoal.rpc.options import BackendType, RpcBackendOptions, Timeout, WorkerInfo
 from shoal.rpc.rref import RRef
 
 
-def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
+def init_rpc(name: str, backend: BackendType | None = None, rank: int | None = None, world_size: int | None = None,
              rpc_backend_options: RpcBackendOptions | None = None) -> None:
-    """Join the RPC group as worker `name`; returns once every worker has joined.
+    """Join the RPC group as worker `name`; returns once every worker has joined. The arguments are
+    torch.distributed.rpc's, in its order (`backend` may only name TENSORPIPE, which shoal's agent
+    stands in for).
 
     Rank and world size default to the RANK and WORLD_SIZE variables, as for process groups; a
     process group may use the same MASTER_ADDR:MASTER_PORT.
@@ -34,7 +36,12 @@ def init_rpc(name: str, rank: int | None = None, world_size: int | None = None,
     if running is not None:
         raise RuntimeError(f"RPC is already initialized on this worker (as {running.name!r}); "
                            f"call shoal.rpc.shutdown() first")
-    RpcAgent.start(name, rank, world_size, rpc_backend_options or RpcBackendOptions())
+    if backend is not None and backend != BackendType.TENSORPIPE:
+        raise ValueError(f"init_rpc: backend {backend!r} is not one shoal offers; leave it out (shoal's own agent "
+                         f"stands in for BackendType.TENSORPIPE)")
+    options = rpc_backend_options or RpcBackendOptions()
+    options.check()
+    RpcAgent.start(name, None if rank == -1 else rank, world_size, options)
 
 
 def shutdown(graceful: bool = True, timeout: Timeout = None) -> None:

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
+
+import torch
 
 T = TypeVar("T")
 S = TypeVar("S")
 
 
-class Future(Generic[T]):
+def _raise(error: BaseException) -> None:
+    raise error
+
+
+class Future(torch.futures.Future[T]):
     """A value that arrives later, with torch.futures.Future's methods (`wait`, `then`, `done`,
-    `value`, `add_done_callback`).
+    `value`, `add_done_callback`); it is a torch.futures.Future, so `torch.futures.wait_all` and
+    `collect_all` take it.
 
     Callbacks run on the thread that completes the future, or right away if it is already done.
     A future completed by a connection's reader thread hands its callbacks to the RPC thread pool
@@ -20,6 +27,7 @@ class Future(Generic[T]):
     """
 
     def __init__(self, *, run_callback: Callable[[Callable[[], None]], None] | None = None) -> None:
+        super().__init__()
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._value: T | None = None
@@ -83,6 +91,12 @@ class Future(Generic[T]):
             if self._done.is_set():
                 return False
             self._value, self._error = value, error
+            # The C++ side too, for torch.futures' functions, which wait on it rather than on us.
+            if error is not None:
+                torch._C.Future._set_unwrap_func(self, _raise)
+                torch._C.Future.set_result(self, error)
+            else:
+                torch._C.Future.set_result(self, value)
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:

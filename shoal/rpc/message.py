@@ -29,16 +29,19 @@ AdoptRRef = Callable[[tuple], Any]
 
 @dataclass
 class Encoded:
-    """A message ready to send: the body, and the flat byte tensors it refers to."""
+    """A message ready to send: the body, the flat byte tensors it refers to, and (by index) the
+    tensors among them that require grad, as they were before flattening (for distributed autograd)."""
 
     body: bytes
     tensors: list[torch.Tensor] = field(default_factory=list)
+    grad_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, rref_token: RRefToken | None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
+        self.grad_tensors: dict[int, torch.Tensor] = {}
         self._index: dict[int, int] = {}
         self._rref_token = rref_token
 
@@ -57,16 +60,20 @@ class _Pickler(pickle.Pickler):
         if index is None:  # a tensor passed twice travels once
             index = self._index[id(tensor)] = len(self.tensors)
             self.tensors.append(tensor.detach().contiguous().view(-1).view(torch.uint8))
+            if tensor.requires_grad:
+                self.grad_tensors[index] = tensor
         kind = "parameter" if isinstance(tensor, torch.nn.Parameter) else "tensor"
         return (kind, index, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.requires_grad)
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor], adopt_rref: AdoptRRef | None) -> None:
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor], adopt_rref: AdoptRRef | None,
+                 grad_tensors: dict[int, torch.Tensor] | None) -> None:
         super().__init__(file)
         self._tensors = tensors
         self._rebuilt: dict[int, torch.Tensor] = {}
         self._adopt_rref = adopt_rref
+        self._grad_tensors = grad_tensors
 
     def persistent_load(self, pid: tuple) -> Any:
         if pid[0] in ("tensor", "parameter"):
@@ -75,6 +82,8 @@ class _Unpickler(pickle.Unpickler):
                 tensor = self._tensors[index].view(getattr(torch, dtype)).view(shape)
                 self._rebuilt[index] = (torch.nn.Parameter(tensor, requires_grad=requires_grad) if kind == "parameter"
                                         else tensor.requires_grad_(requires_grad))
+                if requires_grad and self._grad_tensors is not None:
+                    self._grad_tensors[index] = self._rebuilt[index]
             return self._rebuilt[index]
         if pid[0] == "rref" and self._adopt_rref is not None:
             return self._adopt_rref(pid[1])
@@ -86,12 +95,14 @@ def encode(body: Any, rref_token: RRefToken | None = None) -> Encoded:
     buffer = io.BytesIO()
     pickler = _Pickler(buffer, rref_token)
     pickler.dump(body)
-    return Encoded(buffer.getvalue(), pickler.tensors)
+    return Encoded(buffer.getvalue(), pickler.tensors, pickler.grad_tensors)
 
 
-def decode(body: bytes | bytearray, tensors: list[torch.Tensor], adopt_rref: AdoptRRef | None = None) -> Any:
-    """Rebuild a body from its bytes and received tensors; `adopt_rref(token)` makes RRefs."""
-    return _Unpickler(io.BytesIO(body), tensors, adopt_rref).load()
+def decode(body: bytes | bytearray, tensors: list[torch.Tensor], adopt_rref: AdoptRRef | None = None,
+           grad_tensors: dict[int, torch.Tensor] | None = None) -> Any:
+    """Rebuild a body from its bytes and received tensors; `adopt_rref(token)` makes RRefs, and the
+    rebuilt tensors that require grad are put into `grad_tensors` by index."""
+    return _Unpickler(io.BytesIO(body), tensors, adopt_rref, grad_tensors).load()
 
 
 # ---- functions, sent by reference -------------------------------------------------------------

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -28,14 +31,49 @@ class RpcBackendOptions:
     """Seconds to wait for every worker to join in init_rpc."""
     shutdown_timeout: float = 300.0
     """Seconds a graceful shutdown waits for the other workers to finish their work."""
+    device_maps: dict[str, dict] | None = None
+    """TensorPipe's GPU device maps, accepted by name: shoal's RPC moves CPU tensors only, so only
+    maps from the CPU to the CPU are valid."""
+    devices: list | None = None
+    """TensorPipe's list of local devices; likewise the CPU only."""
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def set_device_map(self, to: str, device_map: dict) -> None:
+        """As TensorPipe's: map this worker's devices to `to`'s (checked to be CPU-only at init_rpc)."""
+        self.device_maps = {**(self.device_maps or {}), to: dict(device_map)}
+
+    def check(self) -> None:
+        """Raise ValueError for a setting shoal cannot honour; init_rpc checks again, since the
+        fields may be set after construction, as TensorPipe's may."""
         for name in ("rpc_timeout", "init_timeout", "shutdown_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RpcBackendOptions.{name} must be a positive number of seconds, "
                                  f"got {getattr(self, name)!r}")
         if self.num_worker_threads < 1:
             raise ValueError(f"RpcBackendOptions.num_worker_threads must be at least 1, got {self.num_worker_threads}")
+        named = [*(self.devices or [])]
+        for device_map in (self.device_maps or {}).values():
+            named += [*device_map.keys(), *device_map.values()]
+        # A bare int means an accelerator's index; anything else names its type.
+        not_cpu = sorted({str(device) for device in named
+                          if isinstance(device, int) or torch.device(device).type != "cpu"})
+        if not_cpu:
+            raise ValueError(f"the RPC backend options name devices {not_cpu}, but shoal's RPC moves CPU tensors "
+                             f"only: move tensors to the CPU before sending them (tensor.cpu()) and leave out "
+                             f"device_maps and devices")
+
+
+class TensorPipeRpcBackendOptions(RpcBackendOptions):
+    """torch.distributed.rpc's name for the options, so scripts move over by changing the import;
+    the same settings as RpcBackendOptions, honoured by shoal's own agent."""
+
+
+class BackendType(Enum):
+    """torch.distributed.rpc's backend names; shoal's agent stands in for TENSORPIPE."""
+
+    TENSORPIPE = "TENSORPIPE"
 
 
 Timeout = float | timedelta | None

@@ -17,7 +17,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import torch
+
 from shoal.rpc.current import current_agent
+from shoal.rpc.functions import async_execution, is_async_execution
 from shoal.rpc.future import Future
 from shoal.rpc.headers import ForkId, RRefId
 
@@ -216,6 +219,14 @@ class _Proxy:
         return call
 
 
-def invoke_method(rref: RRef, name: str, args: tuple, kwargs: dict) -> Any:
-    """Runs on the owner: the method `name` of the referenced object."""
-    return getattr(rref.local_value(), name)(*args, **kwargs)
+@async_execution
+def invoke_method(rref: RRef, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
+    """Runs on the owner: the method `name` of the referenced object. Answers through a future, so
+    that an @async_execution method answers when its own future completes."""
+    method = getattr(rref.local_value(), name)
+    result = method(*args, **kwargs)
+    if is_async_execution(method):
+        return result
+    done: Future[Any] = Future()
+    done.set_result(result)
+    return done

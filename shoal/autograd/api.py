@@ -1,0 +1,95 @@
+"""Distributed autograd as torch.distributed.autograd names it (`from shoal import autograd as
+dist_autograd`): a context that RPCs record into, a backward that crosses workers, and the
+gradients each worker accumulated.
+
+```python
+with dist_autograd.context() as context_id:
+    loss = rpc.rpc_sync("ps", forward, args=(rref, x)).sum()    # recorded: x's gradient path
+    dist_autograd.backward(context_id, [loss])                   # runs on every worker involved
+    optimizer.step(context_id)                                   # shoal.optim.DistributedOptimizer
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+
+import torch
+
+from shoal.autograd.engine import all_done, run_pass
+from shoal.autograd.registry import contexts
+from shoal.errors import PeerFailure
+from shoal.rpc import api as rpc
+from shoal.rpc.current import current_agent
+from shoal.rpc.functions import async_execution
+from shoal.rpc.future import Future
+
+
+class context:  # torch.distributed.autograd's name, used as `with dist_autograd.context()`
+    """A distributed autograd context for the calling thread; `with` gives its id. Every RPC the
+    thread makes meanwhile records the tensors that require grad in it, on both ends; leaving the
+    block releases it on every worker it reached."""
+
+    def __enter__(self) -> int:
+        agent = current_agent()
+        outer = contexts.current_context()
+        if outer is not None:
+            raise RuntimeError(f"this thread is already in distributed autograd context {outer}; contexts do "
+                               f"not nest (leave the outer `with dist_autograd.context()` first)")
+        self._context = contexts.create(agent.rank)
+        self._serving = contexts.serving(self._context.id)
+        self._serving.__enter__()
+        return self._context.id
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._serving.__exit__(exc_type, exc, tb)
+        # After an error, release without waiting: a hung worker must not hold up the error.
+        released = release(self._context.id)
+        if exc_type is None:
+            released.wait()
+
+
+def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
+    """Backward from the scalar `roots` through every worker the graph spans; returns when all of
+    them are done. Gradients accumulate in the context on each worker (see get_gradients), not in
+    `.grad`. A failure anywhere is raised here: the remote exception with its traceback attached,
+    or PeerFailure naming a worker that died."""
+    context = contexts.get(context_id)
+    roots = list(roots)
+    for index, root in enumerate(roots):
+        if not isinstance(root, torch.Tensor) or not root.requires_grad:
+            raise ValueError(f"backward: root {index} does not require grad, so no gradient can flow from it")
+        if root.numel() != 1:
+            raise ValueError(f"backward: root {index} has shape {tuple(root.shape)}; roots must be scalars "
+                             f"(reduce them first, e.g. loss.sum())")
+    # A graph that also leads to tensors sent elsewhere is kept: their gradients come back later
+    # and continue through it. It is freed with the context.
+    keep = retain_graph or context.has_sends()
+    run_pass(context, roots, [torch.ones_like(root) for root in roots], keep).wait()
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """{tensor: gradient} accumulated on this worker in the context."""
+    return contexts.get(context_id).gradients()
+
+
+def release(context_id: int) -> Future[None]:
+    """End a context here and on every worker it reached; the future completes once all have.
+    Workers that died meanwhile have released theirs with their process."""
+    context = contexts.pop(context_id)
+    if context is None:
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+    me = current_agent().rank
+    with contexts.serving(None):
+        futures = [rpc.rpc_async(worker, _release_here, args=(context_id,)) for worker in context.workers() - {me}]
+    return all_done(futures, tolerate=(PeerFailure,))
+
+
+@async_execution
+def _release_here(context_id: int) -> Future[None]:
+    """A release reaching a worker: it passes it on to the workers it knows in turn."""
+    return release(context_id)

@@ -1,0 +1,110 @@
+"""The distributed autograd contexts on this worker, and the hook through which RPC records into
+them: which context the calling thread is in, and what each message in a context sent or received."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from shoal.autograd.context import Context
+from shoal.rpc import autograd_hook
+
+_ORIGIN_SHIFT = 48  # a context id is (originating rank << 48) | a number: unique across the job
+
+
+def originator(context_id: int) -> int:
+    """The rank whose `context()` made this id."""
+    return context_id >> _ORIGIN_SHIFT
+
+
+class ContextRegistry(autograd_hook.AutogradHook):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._contexts: dict[int, Context] = {}
+        self._numbers = itertools.count()
+        self._send_ids = itertools.count()
+        self._dead: set[int] = set()
+        self._rank: int | None = None
+        self._thread = threading.local()
+
+    def started(self, rank: int) -> None:
+        with self._lock:
+            self._rank = rank
+            self._contexts.clear()
+            self._dead.clear()
+
+    # ---- contexts ----------------------------------------------------------------------------
+
+    def create(self, rank: int) -> Context:
+        context = Context(rank << _ORIGIN_SHIFT | next(self._numbers))
+        with self._lock:
+            self._contexts[context.id] = context
+        return context
+
+    def get(self, context_id: int) -> Context:
+        with self._lock:
+            context = self._contexts.get(context_id)
+        if context is None:
+            raise RuntimeError(f"no distributed autograd context {context_id} on this worker: it was never "
+                               f"entered here, or it was released (contexts end when their `with` block ends)")
+        return context
+
+    def pop(self, context_id: int) -> Context | None:
+        with self._lock:
+            return self._contexts.pop(context_id, None)
+
+    def _get_or_create(self, context_id: int) -> Context:
+        with self._lock:
+            if originator(context_id) in self._dead:
+                raise RuntimeError(f"distributed autograd context {context_id} ended with its worker "
+                                   f"(rank {originator(context_id)}), which died")
+            context = self._contexts.get(context_id)
+            if context is None:
+                context = self._contexts[context_id] = Context(context_id)
+            return context
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._contexts)
+
+    # ---- the calling thread's context --------------------------------------------------------
+
+    def current_context(self) -> int | None:
+        return getattr(self._thread, "context_id", None)
+
+    @contextmanager
+    def serving(self, context_id: int | None) -> Iterator[None]:
+        outer = self.current_context()
+        self._thread.context_id = context_id
+        try:
+            yield
+        finally:
+            self._thread.context_id = outer
+
+    # ---- what RPC tells us -------------------------------------------------------------------
+
+    def record_send(self, context_id: int, dst: int, tensors: dict[int, torch.Tensor]) -> int:
+        send_id = next(self._send_ids)
+        self._get_or_create(context_id).add_send(send_id, dst, tensors)
+        return send_id
+
+    def record_recv(self, context_id: int, src: int, send_id: int, tensors: dict[int, torch.Tensor]) -> None:
+        self._get_or_create(context_id).add_recv(src, send_id, tensors)
+
+    def peer_failed(self, rank: int) -> None:
+        """A dead worker's contexts are over; so are those only it could still release."""
+        with self._lock:
+            self._dead.add(rank)
+            for context_id, context in list(self._contexts.items()):
+                others = context.workers()
+                orphaned = others and others <= self._dead and originator(context_id) != self._rank
+                if originator(context_id) == rank or orphaned:
+                    del self._contexts[context_id]
+
+
+contexts = ContextRegistry()
+autograd_hook.install(contexts)

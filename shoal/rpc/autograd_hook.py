@@ -1,0 +1,50 @@
+"""The seam through which distributed autograd, a layer above RPC, sees RPC's messages: the agent
+asks it which context the calling thread is in, tells it which tensors that require grad leave or
+arrive in a context, and runs served calls inside their caller's context. `shoal.autograd`
+installs the one implementation when it is imported (importing `shoal` does so)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+
+import torch
+
+
+class AutogradHook(ABC):
+    @abstractmethod
+    def started(self, rank: int) -> None:
+        """An RPC agent started as `rank`: contexts of an earlier one are gone."""
+
+    @abstractmethod
+    def current_context(self) -> int | None:
+        """The id of the context the calling thread is in, if any."""
+
+    @abstractmethod
+    def record_send(self, context_id: int, dst: int, tensors: dict[int, torch.Tensor]) -> int:
+        """Tensors (by their index in a message) leave for `dst`; returns the id of this send,
+        under which the gradients for them come back."""
+
+    @abstractmethod
+    def record_recv(self, context_id: int, src: int, send_id: int, tensors: dict[int, torch.Tensor]) -> None:
+        """Tensors (by their index in the message) arrived from `src`'s send `send_id`."""
+
+    @abstractmethod
+    def serving(self, context_id: int | None) -> AbstractContextManager[None]:
+        """Run a served call (or its nested calls) in the caller's context."""
+
+    @abstractmethod
+    def peer_failed(self, rank: int) -> None:
+        """A worker died: its contexts are over everywhere."""
+
+
+_hook: AutogradHook | None = None
+
+
+def install(hook: AutogradHook) -> None:
+    global _hook
+    _hook = hook
+
+
+def installed() -> AutogradHook | None:
+    return _hook

@@ -1,0 +1,354 @@
+"""Distributed autograd between real worker processes: gradients equal local autograd on the
+unsplit computation (float64), contexts stay apart and are released everywhere, and failures in
+a remote backward reach the caller."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from shoal import autograd as dist_autograd
+from shoal import rpc
+from shoal.autograd.registry import contexts
+from shoal.errors import PeerFailure
+from tests.ranks import run_ranks
+
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=30.0, init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+
+
+# ---- parameters every worker can rebuild: the reference computation needs the same values -------
+
+def initial(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+
+_params: dict[str, torch.Tensor] = {}
+_params_lock = threading.Lock()
+
+
+def param(name: str, shape: tuple[int, ...] = (4, 4)) -> torch.Tensor:
+    """This worker's parameter `name` (created on first use, by one of the calls that race to)."""
+    with _params_lock:
+        if name not in _params:
+            _params[name] = initial(name, shape).requires_grad_()
+        return _params[name]
+
+
+def grad_of(context_id: int, name: str) -> torch.Tensor | None:
+    return dist_autograd.get_gradients(context_id).get(param(name))
+
+
+def live_contexts() -> int:
+    return len(contexts)
+
+
+# ---- the remote pieces of the computations ------------------------------------------------------
+
+def stage_c(h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h @ param("C"))
+
+
+def stage_b(x: torch.Tensor) -> torch.Tensor:
+    h = torch.sigmoid(x @ param("B"))
+    return rpc.rpc_sync("w2", stage_c, args=(h,)) * h  # nested, and h is used on both sides
+
+
+def branch(h: torch.Tensor, name: str) -> torch.Tensor:
+    return torch.sin(h @ param(name))
+
+
+def two_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x @ param("B"), torch.exp(x @ param("B2"))
+
+
+class Activation:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.value = torch.tanh(x @ param("B"))
+
+    def get(self) -> torch.Tensor:
+        return self.value
+
+
+def activation_of(x: torch.Tensor) -> torch.Tensor:
+    return Activation(x).value
+
+
+# ---- gradients equal local autograd ----------------------------------------------------------------
+
+def _x() -> torch.Tensor:
+    return initial("x", (3, 4)).requires_grad_()
+
+
+def _scenarios(rank: int, world: int, port: int) -> dict:
+    _init(rank, world, port)
+    out: dict = {}
+    if rank == 0:
+        ref = {name: initial(name, (4, 4)).requires_grad_() for name in ("A", "B", "B2", "C", "D")}
+
+        # A chain w0 -> w1 -> w2 with a nested call; h is used on w1 and on w2.
+        x = _x()
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("w1", stage_b, args=(x @ param("A"),))
+            dist_autograd.backward(cid, [(y ** 2).sum()])
+            got = [dist_autograd.get_gradients(cid)[x], grad_of(cid, "A"),
+                   rpc.rpc_sync("w1", grad_of, args=(cid, "B")), rpc.rpc_sync("w2", grad_of, args=(cid, "C"))]
+            assert x.grad is None and param("A").grad is None  # never .grad
+        xr = _x()
+        hr = torch.sigmoid((xr @ ref["A"]) @ ref["B"])
+        yr = torch.tanh(hr @ ref["C"]) * hr
+        out["chain"] = (got, list(torch.autograd.grad((yr ** 2).sum(), [xr, ref["A"], ref["B"], ref["C"]])))
+
+        # A diamond: h goes to w1 and to w2 and is also used here.
+        x = _x()
+        with dist_autograd.context() as cid:
+            h = x @ param("A")
+            f1, f2 = rpc.rpc_async("w1", branch, args=(h, "B")), rpc.rpc_async("w2", branch, args=(h, "C"))
+            loss = (f1.wait() * f2.wait()).sum() + h.sum()
+            dist_autograd.backward(cid, [loss])
+            got = [dist_autograd.get_gradients(cid)[x], grad_of(cid, "A"),
+                   rpc.rpc_sync("w1", grad_of, args=(cid, "B")), rpc.rpc_sync("w2", grad_of, args=(cid, "C"))]
+        xr = _x()
+        hr = xr @ ref["A"]
+        loss = (torch.sin(hr @ ref["B"]) * torch.sin(hr @ ref["C"])).sum() + hr.sum()
+        out["diamond"] = (got, list(torch.autograd.grad(loss, [xr, ref["A"], ref["B"], ref["C"]])))
+
+        # remote() keeps the activation on w1; to_here() brings it into the graph here.
+        x = _x()
+        with dist_autograd.context() as cid:
+            activation = rpc.remote("w1", activation_of, args=(x,))
+            dist_autograd.backward(cid, [activation.to_here().pow(3).sum()])
+            got = [dist_autograd.get_gradients(cid)[x], rpc.rpc_sync("w1", grad_of, args=(cid, "B"))]
+        xr = _x()
+        out["to_here"] = (got, list(torch.autograd.grad(torch.tanh(xr @ ref["B"]).pow(3).sum(), [xr, ref["B"]])))
+
+        # The same through an RRef's proxy: a method of an object that lives on w1.
+        x = _x()
+        with dist_autograd.context() as cid:
+            holder = rpc.remote("w1", Activation, args=(x,))
+            value = holder.rpc_sync().get()
+            dist_autograd.backward(cid, [value.sum()])
+            got = [dist_autograd.get_gradients(cid)[x], rpc.rpc_sync("w1", grad_of, args=(cid, "B"))]
+        xr = _x()
+        out["proxy"] = (got, list(torch.autograd.grad(torch.tanh(xr @ ref["B"]).sum(), [xr, ref["B"]])))
+
+        # Outputs that never reach the loss: one of two results, and a whole call's result.
+        x = _x()
+        with dist_autograd.context() as cid:
+            used, unused = rpc.rpc_sync("w1", two_outputs, args=(x,))
+            ignored = rpc.rpc_sync("w2", branch, args=(x, "C"))
+            dist_autograd.backward(cid, [used.sum()])
+            got = [dist_autograd.get_gradients(cid)[x], rpc.rpc_sync("w1", grad_of, args=(cid, "B")),
+                   rpc.rpc_sync("w1", grad_of, args=(cid, "B2")), rpc.rpc_sync("w2", grad_of, args=(cid, "C"))]
+            assert unused.requires_grad and ignored.requires_grad
+        xr = _x()
+        expected = list(torch.autograd.grad((xr @ ref["B"]).sum(), [xr, ref["B"]]))
+        out["unused"] = (got[:2], expected, got[2:])
+    rpc.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios() -> dict:
+    return run_ranks(_scenarios, 3, backend=None, timeout=90)[0]
+
+
+@pytest.mark.parametrize("case", ["chain", "diamond", "to_here", "proxy"])
+def test_gradients_equal_local_autograd(scenarios: dict, case: str) -> None:
+    got, expected = scenarios[case]
+    assert len(got) == len(expected)
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g is not None, f"{case}: gradient {index} is missing"
+        torch.testing.assert_close(g, e, **TOL, msg=lambda m, i=index: f"{case}, gradient {i}: {m}")
+
+
+def test_an_output_that_does_not_reach_the_loss_neither_hangs_nor_changes_gradients(scenarios: dict) -> None:
+    got, expected, untouched = scenarios["unused"]
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, **TOL)
+    assert untouched == [None, None]  # B2 and C got no gradient: nothing flowed to them
+
+
+# ---- contexts stay apart and end everywhere ---------------------------------------------------------
+
+def scaled_by_shared(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ param("P"))
+
+
+def _concurrent_trainers(rank: int, world: int, port: int) -> dict:
+    """w1 and w2 train against w0's parameter P at the same time, each in its own contexts."""
+    _init(rank, world, port)
+    out: dict = {}
+    if rank > 0:
+        mismatches = []
+        for step in range(20):
+            x = initial(f"x{rank}-{step}", (3, 4))
+            with dist_autograd.context() as cid:
+                loss = rpc.rpc_sync("w0", scaled_by_shared, args=(x,)).sum() * rank
+                dist_autograd.backward(cid, [loss])
+                got = rpc.rpc_sync("w0", grad_of, args=(cid, "P"))
+            p = initial("P", (4, 4)).requires_grad_()
+            expected, = torch.autograd.grad((torch.tanh(x @ p).sum() * rank), [p])
+            if not torch.allclose(got, expected, **{"rtol": 1e-12, "atol": 1e-12}):
+                mismatches.append(step)
+        out["mismatches"] = mismatches
+    rpc.shutdown()
+    if rank == 0:
+        out["p_grad"] = param("P").grad  # never written: gradients live in the contexts
+    return out
+
+
+def test_concurrent_contexts_over_shared_parameters_stay_apart() -> None:
+    out = run_ranks(_concurrent_trainers, 3, backend=None, timeout=90)
+    assert out[1]["mismatches"] == [] and out[2]["mismatches"] == []
+    assert out[0]["p_grad"] is None
+
+
+def _many_contexts(rank: int, world: int, port: int) -> list[int]:
+    _init(rank, world, port)
+    alive = []
+    if rank == 0:
+        for step in range(1000):
+            x = _x()
+            with dist_autograd.context() as cid:
+                h = rpc.rpc_sync("w1", branch, args=(x, "B"))
+                y = rpc.rpc_sync("w2", stage_c, args=(h,)) if step % 2 else h
+                dist_autograd.backward(cid, [y.sum()])
+        alive = [rpc.rpc_sync(f"w{r}", live_contexts) for r in range(world)]
+    rpc.shutdown()
+    return alive
+
+
+def test_after_a_thousand_contexts_none_is_alive_on_any_worker() -> None:
+    assert run_ranks(_many_contexts, 3, backend=None, timeout=120)[0] == [0, 0, 0]
+
+
+# ---- failures ----------------------------------------------------------------------------------------
+
+class FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("backward refused on purpose")
+
+
+class DiesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+
+def fails_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return FailsInBackward.apply(x @ param("B"))
+
+
+def dies_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return DiesInBackward.apply(x @ param("B"))
+
+
+def _remote_backward_error(rank: int, world: int, port: int) -> dict:
+    _init(rank, world, port)
+    out: dict = {}
+    if rank == 0:
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("w1", fails_in_backward, args=(_x(),))
+            try:
+                dist_autograd.backward(cid, [y.sum()])
+            except ValueError as exc:
+                out["error"] = (type(exc).__name__, str(exc), str(exc.__cause__))
+    rpc.shutdown()
+    out["alive"] = len(contexts)
+    return out
+
+
+def test_an_error_in_a_remote_backward_reaches_the_caller_with_its_type_and_traceback() -> None:
+    out = run_ranks(_remote_backward_error, 2, backend=None, timeout=60)
+    kind, message, remote_traceback = out[0]["error"]
+    assert (kind, message) == ("ValueError", "backward refused on purpose")
+    assert "on worker 'w1'" in remote_traceback and "raise ValueError" in remote_traceback
+    assert out[0]["alive"] == out[1]["alive"] == 0
+
+
+def _callee_dies_mid_backward(rank: int, world: int, port: int) -> dict:
+    _init(rank, world, port)
+    out: dict = {}
+    if rank == 0:
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("w1", dies_in_backward, args=(_x(),))
+            z = rpc.rpc_sync("w2", branch, args=(_x(), "C"))
+            with pytest.raises(PeerFailure) as failure:
+                dist_autograd.backward(cid, [(y.sum() + z.sum())])
+            out["failed_rank"] = failure.value.rank
+        out["alive"] = [len(contexts), rpc.rpc_sync("w2", live_contexts)]
+    rpc.shutdown()  # w1 is killed in it, serving w0's backward
+    return out
+
+
+def test_a_worker_dying_mid_backward_is_raised_as_peer_failure_naming_it() -> None:
+    out = run_ranks(_callee_dies_mid_backward, 3, backend=None, timeout=60, expect={1: "dies"})
+    assert out[0] == {"failed_rank": 1, "alive": [0, 0]}
+
+
+_originator_pid: list[int] = []
+
+
+def remember_originator(pid: int) -> None:
+    _originator_pid.append(pid)
+
+
+class KillsOriginatorInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        os.kill(_originator_pid[0], signal.SIGKILL)
+        return grad
+
+
+def kills_originator_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return KillsOriginatorInBackward.apply(x @ param("B"))
+
+
+def _originator_dies_mid_backward(rank: int, world: int, port: int) -> dict:
+    """w2 starts a backward through w1 and w0 and is killed while w1's part runs; the survivors
+    release w2's contexts on their own."""
+    _init(rank, world, port)
+    if rank == 2:
+        rpc.rpc_sync("w1", remember_originator, args=(os.getpid(),))
+        with dist_autograd.context() as cid:
+            h = rpc.rpc_sync("w0", branch, args=(_x(), "A"))
+            y = rpc.rpc_sync("w1", kills_originator_in_backward, args=(h,))
+            dist_autograd.backward(cid, [y.sum()])
+        return {}
+    deadline = time.monotonic() + 30
+    # Wait until w2 has used this worker in a context and then died, which ends that context here.
+    while (not rpc.api.current_agent()._gone or len(contexts)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    alive = len(contexts)
+    rpc.shutdown()
+    return {"alive": alive}
+
+
+def test_the_contexts_of_an_originator_killed_mid_backward_are_released_by_the_others() -> None:
+    out = run_ranks(_originator_dies_mid_backward, 3, backend=None, timeout=60, expect={2: "dies"})
+    assert out[0] == out[1] == {"alive": 0}
