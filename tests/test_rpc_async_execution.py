@@ -1,0 +1,130 @@
+"""@async_execution and futures between real workers: a callee answers when its future completes
+and holds no thread meanwhile; shoal's RPC futures work with torch.futures' functions; torch's
+backend options and init_rpc arguments are accepted as scripts pass them."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from shoal import rpc
+from tests.ranks import run_ranks
+
+
+def _init(rank: int, world: int, port: int, **options) -> None:
+    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=20.0, init_method=f"tcp://127.0.0.1:{port}", **options)
+    rpc.init_rpc(f"w{rank}", backend=rpc.BackendType.TENSORPIPE, rank=rank, world_size=world,
+                 rpc_backend_options=options)
+
+
+def add(a, b):
+    return a + b
+
+
+@rpc.functions.async_execution
+def add_then_double(to: str, a, b) -> rpc.Future:
+    """Answers with a nested call's result, transformed, without waiting on a thread."""
+    return rpc.rpc_async(to, add, args=(a, b)).then(lambda done: done.value() * 2)
+
+
+@rpc.functions.async_execution
+def answered_by_a_timer(value: torch.Tensor) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    threading.Timer(0.05, lambda: future.set_result(value + 1)).start()
+    return future
+
+
+@rpc.functions.async_execution
+def fails_later() -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    threading.Timer(0.05, lambda: future.set_exception(KeyError("missing later"))).start()
+    return future
+
+
+@rpc.functions.async_execution
+def forgets_the_future() -> int:
+    return 3
+
+
+class BatchingServer:
+    """Answers every caller of a round once all `callers` have sent their part: with
+    @async_execution the waiting callers hold no thread, so one thread serves all of them."""
+
+    def __init__(self, callers: int) -> None:
+        self.callers = callers
+        self.lock = threading.Lock()
+        self.parts: list[torch.Tensor] = []
+        self.round = torch.futures.Future()
+
+    @rpc.functions.async_execution
+    def contribute(self, part: torch.Tensor) -> torch.futures.Future:
+        with self.lock:
+            self.parts.append(part)
+            current = self.round
+            if len(self.parts) == self.callers:
+                total, self.parts, self.round = torch.stack(self.parts).sum(0), [], torch.futures.Future()
+                current.set_result(total)
+        return current
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def contribute_to(server: rpc.RRef, part: torch.Tensor) -> torch.futures.Future:
+        return server.local_value().contribute(part)
+
+
+def _async_calls(rank: int, world: int, port: int) -> dict:
+    _init(rank, world, port, num_worker_threads=1 if rank == 0 else 4)
+    out: dict = {}
+    if rank in (1, 2):
+        mine = rpc.rpc_sync("w0", shared_server)
+        part = torch.full((3,), float(rank))
+        # Both rounds wait on w0 at once, though w0 has a single thread to serve calls with.
+        via_static = rpc.rpc_sync("w0", BatchingServer.contribute_to, args=(mine, part))
+        via_proxy = mine.rpc_sync().contribute(part * 10)
+        out["batched"] = (via_static.tolist(), via_proxy.tolist())
+    if rank == 1:
+        out["chained"] = rpc.rpc_sync("w2", add_then_double, args=("w0", 3, 4))
+        out["timer"] = rpc.rpc_sync("w0", answered_by_a_timer, args=(torch.ones(2),)).tolist()
+        with pytest.raises(KeyError, match="missing later"):
+            rpc.rpc_sync("w2", fails_later)
+        with pytest.raises(TypeError, match="must return a future"):
+            rpc.rpc_sync("w2", forgets_the_future)
+        futures = [rpc.rpc_async(f"w{r}", add, args=(r, 10)) for r in range(world)]
+        out["wait_all"] = torch.futures.wait_all(futures)
+        out["collect_all"] = [f.wait() for f in torch.futures.collect_all(futures).wait()]
+        out["is_torch_future"] = isinstance(futures[0], torch.futures.Future)
+    rpc.shutdown()
+    return out
+
+
+_servers: list[rpc.RRef] = []
+_servers_lock = threading.Lock()
+
+
+def shared_server() -> rpc.RRef:
+    """One BatchingServer on this worker, made by whichever caller comes first."""
+    with _servers_lock:
+        if not _servers:
+            _servers.append(rpc.RRef(BatchingServer(2)))
+        return _servers[0]
+
+
+def test_async_execution_answers_when_its_future_completes_and_futures_are_torch_futures() -> None:
+    out = run_ranks(_async_calls, 3, backend=None, timeout=60)
+    assert out[1]["batched"] == out[2]["batched"] == ([3.0] * 3, [30.0] * 3)
+    assert out[1]["chained"] == 14
+    assert out[1]["timer"] == [2.0, 2.0]
+    assert out[1]["wait_all"] == out[1]["collect_all"] == [10, 11, 12]
+    assert out[1]["is_torch_future"]
+
+
+def test_gpu_device_maps_are_refused_with_a_clear_message() -> None:
+    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4)
+    options.rpc_timeout = 5.0  # settable after construction, as TensorPipe's are
+    options.set_device_map("worker1", {0: 1})
+    with pytest.raises(ValueError, match=r"CPU tensors only.*tensor\.cpu\(\)"):
+        rpc.init_rpc("w0", rank=0, world_size=1, rpc_backend_options=options)
+    with pytest.raises(ValueError, match="not one shoal offers"):
+        rpc.init_rpc("w0", backend="PROCESS_GROUP", rank=0, world_size=1)
