@@ -1,8 +1,10 @@
-"""Distributed autograd benchmark: model-parallel training over RPC with shoal's rpc, autograd,
-optim.DistributedOptimizer and nn.RemoteModule beside torch.distributed's (TensorPipe), as one program.
+"""Distributed autograd benchmark: the step time of model-parallel training over RPC, shoal beside torch.distributed.
 
-    python benchmarks/dist_autograd.py                # or: shoal bench autograd [--steps 150]
-    shoal bench autograd --steps 20 --markdown docs/x.md
+shoal's rpc, autograd, optim.DistributedOptimizer and nn.RemoteModule against torch.distributed's
+(rpc over TensorPipe, autograd, optim, nn), in one program.
+
+    python benchmarks/dist_autograd.py                # or: shoal bench autograd [--steps 200] [--rounds 2]
+    shoal bench autograd --steps 20 --rounds 1 --markdown docs/x.md
 
 Three workers: "ps" holds an nn.EmbeddingBag (100k x 64) as a RemoteModule, "mlp" holds two
 Linear+ReLU layers as another, and the "trainer" holds the final Linear. One step, on the trainer:
@@ -12,11 +14,12 @@ Linear+ReLU layers as another, and the "trainer" holds the final Linear. One ste
         dist_autograd.backward(ctx, [loss])                   # gradients cross back trainer->mlp->trainer->ps
         optimizer.step(ctx)                                   # DistributedOptimizer(SGD) on all three
 
-The same code runs twice, each time in three freshly spawned processes: once with torch's modules,
-once with shoal's. The table gives the median and p90 step time after warm-up (and the time to set
-up: init_rpc, the RemoteModules and the optimizer) and the ratio shoal/torch (below 1: shoal is
-faster). Both runs start from the same seeds, so their losses and final parameters must agree;
-the last line says whether they did.
+The same code runs with torch's modules and with shoal's, each run on three freshly spawned
+processes, `--rounds` runs per library in the order torch, shoal, shoal, torch, ... The table
+gives the median and p90 step time over all timed steps (after warm-up), the median time to set
+up (init_rpc, the RemoteModules and the optimizer) and the ratio shoal/torch (below 1: shoal is
+faster). Every run starts from the same seeds, so their losses and final parameters must agree;
+the last line says whether they did (and the exit status is 1 if not).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
 
-LIBRARIES = {"torch": "torch.distributed (TensorPipe)", "shoal": "shoal"}
+LIBRARIES = {"torch": "torch.distributed (TensorPipe)", "shoal": "shoal"}  # name: column heading
 WORKERS = ("trainer", "ps", "mlp")
 NUM_EMBEDDINGS, EMBEDDING_DIM, HIDDEN, CLASSES = 100_000, 64, 256, 10
 BATCH, BAG = 128, 16  # bags per batch, indices per bag
@@ -139,14 +142,27 @@ def _train(lib: SimpleNamespace, steps: int, started: float) -> dict:
     return {"times": times[WARMUP:], "losses": losses, "fingerprint": fingerprint, "setup": setup}
 
 
+def _drop_torchscript_notice() -> None:
+    """torch's DistributedOptimizer warns on every owner that its TorchScript path is deprecated,
+    under `simplefilter("always")`, which no filter can silence: drop that one notice when shown."""
+    show = warnings.showwarning
+
+    def showwarning(message, category, *args, **kwargs) -> None:
+        if "`TorchScript` support for functional optimizers" not in str(message):
+            show(message, category, *args, **kwargs)
+
+    warnings.showwarning = showwarning
+
+
 def _worker(rank: int, library: str, port: int, steps: int, results) -> None:
     import torch
 
-    started = time.perf_counter()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=UserWarning)  # torch.distributed.rpc's deprecation notices
+    _drop_torchscript_notice()
     os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     lib = _library(library)
+    started = time.perf_counter()
     options = lib.rpc.TensorPipeRpcBackendOptions(num_worker_threads=NUM_WORKER_THREADS, rpc_timeout=RPC_TIMEOUT,
                                                   init_method=f"tcp://127.0.0.1:{port}")
     lib.rpc.init_rpc(WORKERS[rank], rank=rank, world_size=len(WORKERS), rpc_backend_options=options)
@@ -167,12 +183,13 @@ def run_side(library: str, steps: int, timeout: float) -> dict:
     procs = [ctx.Process(target=_worker, args=(rank, library, port, steps, results), daemon=True,
                          name=f"{library}-{name}") for rank, name in enumerate(WORKERS)]
     deadline = time.monotonic() + timeout
+    result = None
     for p in procs:
         p.start()
     try:
-        while True:
+        while result is None:
             try:
-                return results.get(timeout=1.0)
+                result = results.get(timeout=1.0)
             except queue.Empty:
                 failed = [p for p in procs if p.exitcode not in (None, 0)]
                 if failed:
@@ -180,9 +197,12 @@ def run_side(library: str, steps: int, timeout: float) -> dict:
                                        f"{failed[0].exitcode}") from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{library} run: no result after {timeout:.0f} s") from None
+        return result
     finally:
-        for p in procs:  # a graceful RPC shutdown first; then the hard way
-            p.join(timeout=30)
+        # After a result, the workers' graceful RPC shutdown gets a while; after a failure, none.
+        grace_ends = time.monotonic() + (30 if result is not None else 0)
+        for p in procs:
+            p.join(timeout=max(0.0, grace_ends - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -198,49 +218,61 @@ def _p90(times: list[float]) -> float:
     return statistics.quantiles(times, n=10)[-1] if len(times) > 1 else times[0]
 
 
-def agreement(result: dict[str, dict]) -> tuple[bool, float]:
-    """Whether the two runs computed the same losses and final parameters, and the largest
-    relative difference between them."""
-    ours, theirs = result["shoal"], result["torch"]
-    a = ours["losses"] + ours["fingerprint"]
-    b = theirs["losses"] + theirs["fingerprint"]
-    if len(a) != len(b):
-        return False, math.inf
-    worst = max((abs(x - y) / max(abs(x), abs(y), 1e-3) for x, y in zip(a, b, strict=True)), default=0.0)
+def agreement(result: dict[str, list[dict]]) -> tuple[bool, float]:
+    """Whether every run computed the same losses and final parameters as the first torch run, and
+    the largest relative difference from it."""
+    reference = result["torch"][0]
+    expected = reference["losses"] + reference["fingerprint"]
+    worst = 0.0
+    for runs in result.values():
+        for one in runs:
+            got = one["losses"] + one["fingerprint"]
+            if len(got) != len(expected):
+                return False, math.inf
+            worst = max([worst, *(abs(x - y) / max(abs(x), abs(y), 1e-3) for x, y in zip(got, expected, strict=True))])
     return worst <= 1e-4, worst
 
 
-def table(result: dict[str, dict]) -> list[str]:
-    ours, theirs = result["shoal"], result["torch"]
-    steps = len(ours["times"])
-    rows = [(f"step time, median of {steps}", statistics.median), ("step time, p90", _p90)]
-    lines = ["| measure | torch.distributed (TensorPipe) | shoal | ratio shoal/torch |", "|---|---|---|---|"]
-    for label, stat in rows:
-        t, s = stat(theirs["times"]), stat(ours["times"])
+def table(result: dict[str, list[dict]]) -> list[str]:
+    times = {library: [t for one in runs for t in one["times"]] for library, runs in result.items()}
+    runs = len(result["shoal"])
+    over = f"{len(times['shoal'])} steps" + (f" ({runs} runs each)" if runs > 1 else "")
+    lines = [f"| measure | {LIBRARIES['torch']} | {LIBRARIES['shoal']} | ratio shoal/torch |", "|---|---|---|---|"]
+    for label, stat in ((f"step time, median of {over}", statistics.median), ("step time, p90", _p90)):
+        t, s = stat(times["torch"]), stat(times["shoal"])
         lines.append(f"| {label} | {t * 1e3:.2f} ms | {s * 1e3:.2f} ms | {s / t:.2f}x time |")
-    t, s = theirs["setup"], ours["setup"]
+    t, s = (statistics.median(one["setup"] for one in result[library]) for library in ("torch", "shoal"))
     lines.append(f"| setup: init_rpc, RemoteModules, DistributedOptimizer | {t:.2f} s | {s:.2f} s | "
                  f"{s / t:.2f}x time |")
     same, worst = agreement(result)
-    lines += ["", f"Same computation (losses of all {len(ours['losses'])} steps and final parameters, "
-                  f"same seeds): {'yes' if same else 'NO'} (largest relative difference {worst:.1e}); "
-                  f"final loss torch {theirs['losses'][-1]:.6f}, shoal {ours['losses'][-1]:.6f}."]
+    final = {library: runs[0]["losses"][-1] for library, runs in result.items()}
+    lines += ["", f"Same computation (the loss of every step and the final parameters, same seeds, every run): "
+                  f"{'yes' if same else 'NO'} (largest relative difference {worst:.1e}); final loss torch "
+                  f"{final['torch']:.6f}, shoal {final['shoal']:.6f}."]
     return lines
 
 
-def run(steps: int, timeout: float) -> dict[str, dict]:
-    return {library: run_side(library, steps, timeout) for library in LIBRARIES}
+def run(steps: int, rounds: int, timeout: float) -> dict[str, list[dict]]:
+    """`rounds` runs per library, in the order torch, shoal, shoal, torch, torch, ... so that a
+    machine getting busier or quieter meanwhile favours neither."""
+    result: dict[str, list[dict]] = {library: [] for library in LIBRARIES}
+    for i in range(rounds):
+        for library in (LIBRARIES if i % 2 == 0 else reversed(LIBRARIES)):
+            result[library].append(run_side(library, steps, timeout))
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150, help=f"timed steps per library, after {WARMUP} warm-up")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds each library's run may take")
+    parser.add_argument("--steps", type=int, default=200,
+                        help=f"timed steps per run, after {WARMUP} warm-up steps (median and p90 reported)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per library, alternating (fresh processes each)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     parser.add_argument("--markdown", help="also append the table to this file")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
-    result = run(args.steps, args.timeout)
+    if args.steps < 1 or args.rounds < 1:
+        parser.error("--steps and --rounds must be at least 1")
+    result = run(args.steps, args.rounds, args.timeout)
     lines = table(result)
     print("\n".join(lines))
     if args.markdown:

@@ -214,9 +214,8 @@ def test_concurrent_contexts_over_shared_parameters_stay_apart() -> None:
     assert out[0]["p_grad"] is None
 
 
-def _many_contexts(rank: int, world: int, port: int) -> list[int]:
+def _many_contexts(rank: int, world: int, port: int) -> int:
     _init(rank, world, port)
-    alive = []
     if rank == 0:
         for step in range(1000):
             x = _x()
@@ -224,13 +223,13 @@ def _many_contexts(rank: int, world: int, port: int) -> list[int]:
                 h = rpc.rpc_sync("w1", branch, args=(x, "B"))
                 y = rpc.rpc_sync("w2", stage_c, args=(h,)) if step % 2 else h
                 dist_autograd.backward(cid, [y.sum()])
-        alive = [rpc.rpc_sync(f"w{r}", live_contexts) for r in range(world)]
+    # Releases travel in the background; a graceful shutdown waits for every one of them.
     rpc.shutdown()
-    return alive
+    return len(contexts)
 
 
 def test_after_a_thousand_contexts_none_is_alive_on_any_worker() -> None:
-    assert run_ranks(_many_contexts, 3, backend=None, timeout=120)[0] == [0, 0, 0]
+    assert run_ranks(_many_contexts, 3, backend=None, timeout=120) == {0: 0, 1: 0, 2: 0}
 
 
 # ---- failures ----------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,13 @@ from shoal.rpc.wire import Wire
 log = logging.getLogger(__name__)
 
 
+_on_pool = threading.local()
+
+
+def _mark_pool_thread() -> None:
+    _on_pool.marked = True
+
+
 def _outcome(done: torch.futures.Future) -> tuple[Any, BaseException | None]:
     """(value, None) or (None, error) of a completed future, ours or any torch.futures.Future."""
     try:
@@ -56,7 +64,8 @@ class RpcAgent:
         self._ids = itertools.count()
         self._gone: set[int] = set()
         self._outstanding = Outstanding(self.name, lambda rank: self._workers[rank].name)
-        self._pool = ThreadPoolExecutor(options.num_worker_threads, thread_name_prefix=f"shoal-rpc-{self.name}")
+        self._pool = ThreadPoolExecutor(options.num_worker_threads, thread_name_prefix=f"shoal-rpc-{self.name}",
+                                        initializer=_mark_pool_thread)
         self._wire = Wire(transport, timedelta(seconds=options.rpc_timeout), self.name)
         self.rrefs = OwnerTable()
         self._forks = Forks(self.rank, self.rrefs, self.new_id, self._tell_owner,
@@ -254,7 +263,7 @@ class RpcAgent:
         elif mode is Mode.FETCH:
             owned = self.rrefs.entry(header.rref_id)
             owned.value.add_done_callback(
-                lambda done: self._submit(lambda: self._reply(src, msg_id, *_outcome(done), tag)))
+                lambda done: self._on_a_pool_thread(self._reply, src, msg_id, *_outcome(done), tag))
 
     def _run_function(self, ref: FunctionRef, args: tuple, kwargs: dict, tag: AutogradTag | None,
                       settle: Callable[[Any, BaseException | None], None]) -> None:
@@ -271,10 +280,18 @@ class RpcAgent:
         except BaseException as exc:  # SystemExit too: the caller must hear of it, not time out
             settle(None, exc)
             return
-        if answers_later:  # settled from a pool thread: the future may complete anywhere
-            result.add_done_callback(lambda done: self._submit(settle, *_outcome(done)))
+        if answers_later:
+            result.add_done_callback(lambda done: self._on_a_pool_thread(settle, *_outcome(done)))
         else:
             settle(result, None)
+
+    def _on_a_pool_thread(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn` here if this is one of our pool's threads, else hand it to the pool: a future may
+        complete on any thread, a connection's reader included, where nothing may block."""
+        if getattr(_on_pool, "marked", False):
+            fn(*args)
+        else:
+            self._submit(fn, *args)
 
     def _serve_remote(self, src: int, msg_id: int, ref: FunctionRef, args: tuple, kwargs: dict, entry: Owned,
                       tag: AutogradTag | None) -> None:
