@@ -351,3 +351,44 @@ def _originator_dies_mid_backward(rank: int, world: int, port: int) -> dict:
 def test_the_contexts_of_an_originator_killed_mid_backward_are_released_by_the_others() -> None:
     out = run_ranks(_originator_dies_mid_backward, 3, backend=None, timeout=60, expect={2: "dies"})
     assert out[0] == out[1] == {"alive": 0}
+
+
+# ---- DistributedDataParallel inside a context -------------------------------------------------------
+
+def _ddp_in_context(rank: int, world: int, port: int, group_port: int) -> bool | None:
+    """w1 and w2 wrap a local layer in DDP (a process group of their own) after a layer on w0; a
+    distributed backward leaves the layer's gradients in each context averaged over both."""
+    import shoal.distributed as dist
+    from shoal.nn import RemoteModule
+    from shoal.parallel import DistributedDataParallel
+
+    _init(rank, world, port)
+    same = None
+    if rank > 0:
+        dist.init_process_group("shoal", f"tcp://127.0.0.1:{group_port}", rank=rank - 1, world_size=2)
+        remote = RemoteModule("w0/cpu", torch.nn.Linear, args=(4, 4), kwargs={"dtype": torch.float64})
+        torch.manual_seed(0)
+        local = torch.nn.Linear(4, 3, dtype=torch.float64)
+        replica = DistributedDataParallel(local)
+        x = initial(f"x{rank}", (5, 4))
+        with dist_autograd.context() as cid:
+            h = remote(x)
+            loss = replica(h).pow(2).sum() * rank  # the trainers' gradients differ
+            dist_autograd.backward(cid, [loss])
+            got = [dist_autograd.get_gradients(cid)[p] for p in local.parameters()]
+        mine = torch.autograd.grad(local(h.detach()).pow(2).sum() * rank, list(local.parameters()))
+        theirs = [torch.zeros_like(g) for g in mine]
+        for g, t in zip(mine, theirs, strict=True):
+            dist.all_reduce(t.copy_(g))
+        same = all(torch.allclose(g, t / 2, rtol=1e-12, atol=1e-12) for g, t in zip(got, theirs, strict=True))
+        same = same and local.weight.grad is None and not torch.allclose(mine[0], theirs[0] / 2)
+        dist.destroy_process_group()
+    rpc.shutdown()
+    return same
+
+
+def test_ddp_inside_a_context_averages_its_gradients_in_the_context() -> None:
+    from tests.ranks import free_port
+
+    out = run_ranks(_ddp_in_context, 3, free_port(), backend=None, timeout=90)
+    assert out[1] is True and out[2] is True

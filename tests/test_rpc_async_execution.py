@@ -128,3 +128,23 @@ def test_gpu_device_maps_are_refused_with_a_clear_message() -> None:
         rpc.init_rpc("w0", rank=0, world_size=1, rpc_backend_options=options)
     with pytest.raises(ValueError, match="not one shoal offers"):
         rpc.init_rpc("w0", backend="PROCESS_GROUP", rank=0, world_size=1)
+
+
+@rpc.functions.async_execution
+def answered_through_then(value: int) -> torch.futures.Future:
+    """torch's then() returns a bare torch._C.Future, which must do as well."""
+    future: torch.futures.Future = torch.futures.Future()
+    chained = future.then(lambda done: done.value() * 3)
+    future.set_result(value)
+    return chained
+
+
+def _then_future(rank: int, world: int, port: int) -> int | None:
+    _init(rank, world, port)
+    out = rpc.rpc_sync("w1", answered_through_then, args=(5,)) if rank == 0 else None
+    rpc.shutdown()
+    return out
+
+
+def test_an_async_function_may_return_the_future_that_torch_then_makes() -> None:
+    assert run_ranks(_then_future, 2, backend=None, timeout=60)[0] == 15

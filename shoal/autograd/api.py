@@ -21,6 +21,7 @@ import torch
 from shoal.autograd.engine import all_done, run_pass
 from shoal.autograd.registry import contexts
 from shoal.errors import PeerFailure
+from shoal.parallel.ddp import replicas_awaiting_reduction
 from shoal.rpc import api as rpc
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import async_execution
@@ -75,6 +76,10 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     # and continue through it. It is freed with the context.
     keep = retain_graph or context.has_sends()
     run_pass(context, roots, [torch.ones_like(root) for root in roots], keep).wait()
+    # Replicas of DistributedDataParallel whose forward ran for this backward average their
+    # gradients here, in the context, as their hooks would in `.grad` after a local backward.
+    for replica in replicas_awaiting_reduction():
+        context.set_gradients(replica.reduce_gradients(context.gradients()))
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -56,6 +56,12 @@ class Context:
             # Out of place: `grad` may be a caller's tensor (a root's), which must not change.
             self._grads[id(tensor)] = (tensor, grad if entry is None else entry[1] + grad)
 
+    def set_gradients(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Replace the gradients of these tensors (DistributedDataParallel's averages)."""
+        with self._lock:
+            for tensor, grad in grads.items():
+                self._grads[id(tensor)] = (tensor, grad)
+
     def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
         with self._lock:
             return dict(self._grads.values())

@@ -7,7 +7,9 @@ buckets, each bucket's all-reduce starting while backward is still computing the
 
 from __future__ import annotations
 
+import itertools
 import json
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +22,8 @@ from shoal.parallel.buckets import Bucket, assign_buckets
 from shoal.parallel.comm_hooks import GradBucket, Pending, allreduce_hook
 
 _FIRST_BUCKET_BYTES = 1 << 20
+_numbers = itertools.count()  # creation order, which every rank shares when it builds the same replicas
+_replicas: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 
 
 class DistributedDataParallel(nn.Module):
@@ -61,6 +65,8 @@ class DistributedDataParallel(nn.Module):
         self._inflight: list[Pending | None] = [None] * len(self.buckets)
         self.launched_in_backward = 0  # buckets whose reduction began before backward ended (last step)
         self._prepared = False  # forward has reset the buckets for the backward that follows it
+        self._number = next(_numbers)
+        _replicas.add(self)
         for bucket in self.buckets:
             for i, param in enumerate(bucket.params):
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(bucket, i))
@@ -142,10 +148,36 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         """Runs once autograd has finished this backward: reduce what is left, wait, write `.grad`."""
         self._in_backward = False
+        self._complete_reduction(lambda param: param.grad, _write_grad)
+
+    def awaits_reduction(self) -> bool:
+        """Whether the last forward prepared a synchronized backward whose gradients no backward
+        has reduced yet, as happens when they go elsewhere than `.grad` (distributed autograd)."""
+        return self._prepared and self._step_syncs
+
+    def reduce_gradients(self, grads: dict[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+        """Average gradients held outside `.grad` (a distributed autograd context's) over the replicas,
+        with the same buckets, order and communication hook as a backward; every rank must call it
+        for the same forward. Returns {parameter: averaged gradient}, for every parameter with a
+        gradient on some rank."""
+        self._prepared = False
+        for bucket in self.buckets:
+            for i, param in enumerate(bucket.params):
+                if param in grads:
+                    bucket.view(i).copy_(grads[param])
+                    bucket.mark_ready(i)
+        averaged: dict[torch.Tensor, torch.Tensor] = {}
+        self._complete_reduction(grads.get, lambda param, result: averaged.__setitem__(param, result.clone()))
+        return averaged
+
+    def _complete_reduction(self, read: Callable[[torch.Tensor], torch.Tensor | None],
+                            write: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+        """Put the gradients of parameters this backward did not reach into their buckets (from
+        `read`), reduce every bucket, wait, and hand each averaged gradient to `write`."""
         unused = [(b, i) for b in self.buckets for i, ready in enumerate(b.ready) if not ready]
         for bucket, i in unused:
             # Not reached by this backward, but it may hold a gradient accumulated under no_sync().
-            grad = bucket.params[i].grad
+            grad = read(bucket.params[i])
             if grad is None:
                 bucket.view(i).zero_()
             else:
@@ -162,7 +194,7 @@ class DistributedDataParallel(nn.Module):
         if self.find_unused_parameters:
             # A parameter without a gradient here may have one elsewhere: only one that has none on any
             # rank keeps grad None, as it would in one process.
-            flags = torch.tensor([0 if p.grad is None else 1 for b in self.buckets for p in b.params],
+            flags = torch.tensor([0 if read(p) is None else 1 for b in self.buckets for p in b.params],
                                  dtype=torch.int32)
             self.process_group.all_reduce(flags).wait()
             used = iter(flags.tolist())
@@ -171,16 +203,25 @@ class DistributedDataParallel(nn.Module):
                 globally_used = True if used is None else next(used) > 0
                 if not globally_used:
                     continue
-                result = pending[bucket.offsets[i]:bucket.offsets[i + 1]].view_as(param)
-                if param.grad is None:
-                    param.grad = result.clone()
-                elif param.grad.data_ptr() != result.data_ptr():
-                    param.grad.copy_(result)
+                write(param, pending[bucket.offsets[i]:bucket.offsets[i + 1]].view_as(param))
 
     def _drain(self) -> list[torch.Tensor]:
         results = [pending.wait() for pending in self._inflight if pending is not None]
         self._inflight = [None] * len(self.buckets)
         return results
+
+
+def replicas_awaiting_reduction() -> list[DistributedDataParallel]:
+    """Live replicas whose forward prepared a synchronized backward that no backward reduced yet,
+    in creation order: the order in which every rank must reduce them (see reduce_gradients)."""
+    return sorted((r for r in list(_replicas) if r.awaits_reduction()), key=lambda r: r._number)
+
+
+def _write_grad(param: torch.Tensor, result: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = result.clone()
+    elif param.grad.data_ptr() != result.data_ptr():  # not already the bucket's view
+        param.grad.copy_(result)
 
 
 def _check_same_parameters(named: list[tuple[str, torch.Tensor]], group: ProcessGroup) -> None:

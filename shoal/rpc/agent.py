@@ -274,7 +274,7 @@ class RpcAgent:
             with self._in_context(tag):
                 result = func(*args, **kwargs)
             answers_later = is_async_execution(func)
-            if answers_later and not isinstance(result, torch.futures.Future):
+            if answers_later and not isinstance(result, torch._C.Future):  # then()'s futures are only that
                 raise TypeError(f"{ref[0]}.{ref[1]} is an @async_execution function, so it must return a future, "
                                 f"not {type(result).__name__}")
         except BaseException as exc:  # SystemExit too: the caller must hear of it, not time out
