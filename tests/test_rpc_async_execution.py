@@ -148,3 +148,43 @@ def _then_future(rank: int, world: int, port: int) -> int | None:
 
 def test_an_async_function_may_return_the_future_that_torch_then_makes() -> None:
     assert run_ranks(_then_future, 2, backend=None, timeout=60)[0] == 15
+
+
+_noticed: list = []
+_noticed_lock = threading.Lock()
+
+
+def note(value) -> None:
+    with _noticed_lock:
+        _noticed.append(value)
+    if value == "fail":
+        raise ValueError("a notice that fails is logged where it ran")
+
+
+def noticed() -> list:
+    with _noticed_lock:
+        return list(_noticed)
+
+
+def _notices(rank: int, world: int, port: int) -> list | None:
+    import time
+
+    from shoal.rpc.current import current_agent
+
+    _init(rank, world, port)
+    out = None
+    if rank == 0:
+        agent = current_agent()
+        for value in ("fail", 1, torch.ones(2)):
+            agent.notify("w1", note, (value,))
+        deadline = time.monotonic() + 20
+        while len(rpc.rpc_sync("w1", noticed)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # notices are not answered: poll for their effect, with a deadline
+        out = rpc.rpc_sync("w1", noticed)
+    rpc.shutdown()
+    return out
+
+
+def test_a_notice_runs_on_the_callee_unanswered_and_a_failing_one_does_not_stop_the_others() -> None:
+    got = run_ranks(_notices, 2, backend=None, timeout=60)[0]
+    assert sorted(map(str, got)) == sorted(["fail", "1", str(torch.ones(2))])

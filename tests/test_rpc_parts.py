@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import math
 import threading
+import types
 
 import pytest
 import torch
 
 from shoal.rpc import Future
+from shoal.rpc.forks import Forks
 from shoal.rpc.message import RemoteError, RemoteTraceback, decode, encode, function_ref, pack_error, unpack_error
-from shoal.rpc.rref import OwnerTable
+from shoal.rpc.rref import OwnerTable, RRef
 
 # ---- the owner's table ------------------------------------------------------------------------
 
@@ -64,6 +66,34 @@ def test_an_owner_local_entry_joins_the_table_only_while_forked() -> None:
     assert len(table) == 1
     table.delete_fork((1, 0), (1, 1))
     assert len(table) == 0 and entry.value.wait(0) == "value"
+
+
+_NO_AGENT = types.SimpleNamespace(release=lambda owner, rref_id, fork_id: None)  # for RRefs made by hand
+
+
+def _forks(rank: int, told: list) -> Forks:
+    ids = iter(range(100, 200))
+    return Forks(rank, OwnerTable(), lambda: (rank, next(ids)), lambda owner, change: told.append((owner, change)),
+                 lambda owner, rref_id, fork_id, entry: RRef._make(_NO_AGENT, owner, rref_id, fork_id, entry),
+                 f"w{rank}")
+
+
+def test_an_rref_sent_to_its_owner_makes_no_fork_and_one_sent_elsewhere_does() -> None:
+    told: list = []
+    holder = _forks(1, told)  # worker 1 holds a reference to object (0, 5), owned by worker 0
+    rref = RRef._make(_NO_AGENT, 0, (0, 5), (1, 7), None)
+    home = holder.encode_for(0, rref)
+    assert told == []  # going home: nothing to tell the owner first
+    elsewhere = holder.encode_for(2, rref)
+    assert [(owner, change.action, change.holder) for owner, change in told] == [(0, "add", 2)]
+
+    owner = _forks(0, [])
+    entry = owner.table.created_remotely((0, 5), (1, 7), holder=1)
+    adopted = decode(home.body, [], owner.adopt)
+    assert adopted.is_owner() and adopted._entry is entry and entry.forks == {(1, 7): 1}  # no tombstone left
+    assert decode(elsewhere.body, [], _forks(2, []).adopt)._fork_id == told[0][1].fork_id
+    for forks in (holder, owner):
+        forks.stop(timeout=5)
 
 
 # ---- futures ----------------------------------------------------------------------------------

@@ -12,28 +12,22 @@ with dist_autograd.context() as context_id:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from types import TracebackType
 
 import torch
 
-from shoal.autograd.engine import all_done, run_pass
+from shoal.autograd.engine import run_pass
 from shoal.autograd.registry import contexts
-from shoal.errors import PeerFailure
+from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.parallel.ddp import replicas_awaiting_reduction
-from shoal.rpc import api as rpc
 from shoal.rpc.current import current_agent
-from shoal.rpc.functions import async_execution
-from shoal.rpc.future import Future
-
-log = logging.getLogger(__name__)
 
 
 class context:  # torch.distributed.autograd's name, used as `with dist_autograd.context()`
     """A distributed autograd context for the calling thread; `with` gives its id. Every RPC the
     thread makes meanwhile records the tensors that require grad in it, on both ends; leaving the
-    block releases it here at once and on every worker it reached in the background."""
+    block releases it here at once and on every worker it reached soon after."""
 
     def __enter__(self) -> int:
         agent = current_agent()
@@ -49,14 +43,7 @@ class context:  # torch.distributed.autograd's name, used as `with dist_autograd
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._serving.__exit__(exc_type, exc, tb)
-        # Not waited for, as in PyTorch: the release reaches every worker in the background (a
-        # graceful RPC shutdown waits for it), and a step need not pay its round trips.
-        release(self._context.id).add_done_callback(_log_failed_release)
-
-
-def _log_failed_release(done: Future[None]) -> None:
-    if done.exception() is not None:
-        log.warning("distributed autograd context could not be released everywhere: %s", done.exception())
+        release(self._context.id)
 
 
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
@@ -87,23 +74,18 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     return contexts.get(context_id).gradients()
 
 
-def release(context_id: int, covered: frozenset[int] = frozenset()) -> Future[None]:
-    """End a context here and on every worker it reached, except those in `covered` (which
-    others release); the future completes once all have. Workers that died meanwhile have
-    released theirs with their process."""
+def release(context_id: int, covered: frozenset[int] = frozenset()) -> None:
+    """End a context here, and tell every worker it reached to do the same, except those in
+    `covered` (which others tell). As in PyTorch, nobody waits for the others: they release it as
+    the notices arrive, each telling the workers it reached in turn."""
     context = contexts.pop(context_id)
     if context is None:
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
-    targets = context.workers() - covered - {current_agent().rank}
-    covered = covered | targets | {current_agent().rank}  # nobody sends it back to where it came from
-    with contexts.serving(None):
-        futures = [rpc.rpc_async(worker, _release_here, args=(context_id, covered)) for worker in targets]
-    return all_done(futures, tolerate=(PeerFailure,))
-
-
-@async_execution
-def _release_here(context_id: int, covered: frozenset[int]) -> Future[None]:
-    """A release reaching a worker: it passes it on to the workers it knows in turn."""
-    return release(context_id, covered)
+        return
+    agent = current_agent()
+    targets = context.workers() - covered - {agent.rank}
+    covered = covered | targets | {agent.rank}  # nobody sends it back to where it came from
+    for worker in targets:
+        try:
+            agent.notify(worker, release, (context_id, covered))
+        except (PeerFailure, GroupBrokenError):
+            pass  # a worker that died or left took its contexts with it

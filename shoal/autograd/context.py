@@ -25,15 +25,19 @@ class Context:
         self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(tensor) -> (tensor, grad)
         self._workers: set[int] = set()
 
-    def add_send(self, send_id: int, dst: int, tensors: dict[int, torch.Tensor]) -> None:
+    def add_send(self, send_id: int | None, dst: int, tensors: dict[int, torch.Tensor]) -> None:
+        """A message to `dst` carried `tensors` made here (none, when all it carried was forwarded)."""
         with self._lock:
-            self._sends[send_id] = dict(tensors)
+            if send_id is not None:
+                self._sends[send_id] = dict(tensors)
             self._workers.add(dst)
 
-    def add_recv(self, src: int, send_id: int, tensors: dict[int, torch.Tensor]) -> None:
+    def add_recv(self, src: int, tensors: dict[int, torch.Tensor], origins: dict[int, Origin]) -> None:
+        """A message from `src` brought `tensors`, whose gradients go to `origins` (by index)."""
         with self._lock:
             for index, tensor in tensors.items():
-                self._recvs[id(tensor)] = (tensor, (src, send_id, index))
+                self._recvs[id(tensor)] = (tensor, origins[index])
+                self._workers.add(origins[index][0])
             self._workers.add(src)
 
     def sent(self, send_id: int, index: int) -> torch.Tensor:

@@ -57,9 +57,8 @@ def gradients_arrive(context_id: int, batch: GradientBatch) -> Future[None]:
     return run_pass(context, outputs, [grad for _, _, grad in batch], retain_graph=True)
 
 
-def all_done(futures: list[Future], tolerate: tuple[type[BaseException], ...] = ()) -> Future[None]:
-    """Completes when every one of `futures` has; with the first error among them that is not of
-    a `tolerate`d type, if any."""
+def all_done(futures: list[Future]) -> Future[None]:
+    """Completes when every one of `futures` has; with the first error among them, if any."""
     done: Future[None] = Future()
     lock = threading.Lock()
     remaining = [len(futures)]
@@ -68,7 +67,7 @@ def all_done(futures: list[Future], tolerate: tuple[type[BaseException], ...] = 
     def one_done(future: Future) -> None:
         error = future.exception()
         with lock:
-            if error is not None and not isinstance(error, tolerate):
+            if error is not None:
                 errors.append(error)
             remaining[0] -= 1
             finished = remaining[0] == 0

@@ -12,6 +12,7 @@ import torch
 
 from shoal.autograd.context import Context
 from shoal.rpc import autograd_hook
+from shoal.rpc.headers import AutogradTag
 
 _ORIGIN_SHIFT = 48  # a context id is (originating rank << 48) | a number: unique across the job
 
@@ -87,13 +88,23 @@ class ContextRegistry(autograd_hook.AutogradHook):
 
     # ---- what RPC tells us -------------------------------------------------------------------
 
-    def record_send(self, context_id: int, dst: int, tensors: dict[int, torch.Tensor]) -> int:
-        send_id = next(self._send_ids)
-        self._get_or_create(context_id).add_send(send_id, dst, tensors)
-        return send_id
+    def record_send(self, context_id: int, dst: int, tensors: dict[int, torch.Tensor]) -> AutogradTag:
+        context = self._get_or_create(context_id)
+        made_here, forwarded = {}, []
+        for index, tensor in tensors.items():
+            origin = context.origin(tensor)
+            if origin is None:
+                made_here[index] = tensor
+            else:  # received and passed on unchanged: this worker would only relay its gradient
+                forwarded.append((index, *origin))
+        send_id = next(self._send_ids) if made_here else None
+        context.add_send(send_id, dst, made_here)
+        return AutogradTag(context_id, send_id, tuple(forwarded))
 
-    def record_recv(self, context_id: int, src: int, send_id: int, tensors: dict[int, torch.Tensor]) -> None:
-        self._get_or_create(context_id).add_recv(src, send_id, tensors)
+    def record_recv(self, src: int, tag: AutogradTag, tensors: dict[int, torch.Tensor]) -> None:
+        forwarded = {index: (rank, send_id, at) for index, rank, send_id, at in tag.forwarded}
+        origins = {index: forwarded.get(index, (src, tag.send_id, index)) for index in tensors}
+        self._get_or_create(tag.context_id).add_recv(src, tensors, origins)
 
     def peer_failed(self, rank: int) -> None:
         """A dead worker's contexts are over; so are those only it could still release."""

@@ -68,9 +68,17 @@ class DistributedOptimizer:
         self._local_optimizers = pending
 
     def step(self, context_id: int) -> None:
-        futures = [rpc.rpc_async(local.owner(), _step, args=(local, context_id)) for local in self._local_optimizers]
+        # The other owners' steps start first; this worker's own runs here meanwhile, not over RPC.
+        remote = [rpc.rpc_async(local.owner(), _step, args=(local, context_id))
+                  for local in self._local_optimizers if not local.is_owner()]
         errors = []
-        for future in futures:
+        for local in self._local_optimizers:
+            if local.is_owner():
+                try:
+                    local.local_value().step(context_id)
+                except Exception as exc:
+                    errors.append(exc)
+        for future in remote:
             try:
                 future.wait()
             except Exception as exc:

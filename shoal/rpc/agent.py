@@ -74,6 +74,7 @@ class RpcAgent:
         self._wire.handle(Kind.REQUEST, self._on_request)
         self._wire.handle(Kind.RESPONSE, self._on_response)
         self._wire.handle(Kind.CONTROL, lambda src, msg_id, change, body, tensors: self._forks.on_change(change))
+        self._wire.handle(Kind.NOTICE, self._on_notice)
         transport.on_peer_failure(self._on_peer_failure)
 
     @classmethod
@@ -165,6 +166,14 @@ class RpcAgent:
                                 f"remote {ref[1]}")
         return RRef._make(self, dst, rref_id, fork_id, None, created)
 
+    def notify(self, to: To, func: Any, args: tuple) -> None:
+        """Run `func(*args)` on worker `to` without waiting for it or hearing how it went (errors are
+        logged there): for bookkeeping that must not cost a round trip. PeerFailure if `to` is
+        known to be gone; nothing tells whether it ran if `to` dies or leaves meanwhile."""
+        dst, ref = self.worker(to).id, function_ref(func)
+        payload = self._forks.encode_for(dst, (args, {}))
+        self._wire.send(dst, Kind.NOTICE, next(self._ids), Request(Mode.CALL, ref), payload)
+
     def fetch(self, rref: RRef, timeout: Timeout) -> Future:
         """A copy of a referenced object from its owner (`RRef.to_here`)."""
         return self._request(rref._owner, Request(Mode.FETCH, rref_id=rref._rref_id), (), None, timeout,
@@ -217,15 +226,14 @@ class RpcAgent:
         if context_id is None:
             return None
         hook = autograd_hook.installed()
-        send_id = None
-        if payload is not None and payload.grad_tensors and hook is not None:
-            send_id = hook.record_send(context_id, dst, payload.grad_tensors)
-        return AutogradTag(context_id, send_id)
+        if payload is None or not payload.grad_tensors or hook is None:
+            return AutogradTag(context_id)
+        return hook.record_send(context_id, dst, payload.grad_tensors)
 
     def _record_arrival(self, src: int, tag: AutogradTag | None, grad_tensors: dict[int, torch.Tensor]) -> None:
         hook = autograd_hook.installed()
-        if tag is not None and tag.send_id is not None and hook is not None:
-            hook.record_recv(tag.context_id, src, tag.send_id, grad_tensors)
+        if tag is not None and grad_tensors and hook is not None:
+            hook.record_recv(src, tag, grad_tensors)
 
     def _in_context(self, tag: AutogradTag | None) -> AbstractContextManager[None]:
         hook = autograd_hook.installed()
@@ -264,6 +272,16 @@ class RpcAgent:
             owned = self.rrefs.entry(header.rref_id)
             owned.value.add_done_callback(
                 lambda done: self._on_a_pool_thread(self._reply, src, msg_id, *_outcome(done), tag))
+
+    def _on_notice(self, src: int, msg_id: int, header: Request, body: bytes | bytearray,
+                   tensors: list[torch.Tensor]) -> None:
+        args, kwargs = decode(body, tensors, self._forks.adopt)
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if error is not None:
+                log.error("worker %r: notice %s.%s from rank %d failed: %r", self.name, *header.function, src, error)
+
+        self._submit(self._run_function, header.function, args, kwargs, None, settle)
 
     def _run_function(self, ref: FunctionRef, args: tuple, kwargs: dict, tag: AutogradTag | None,
                       settle: Callable[[Any, BaseException | None], None]) -> None:
@@ -381,13 +399,17 @@ class RpcAgent:
             self._wait_for_keys("left", deadline, "leave")
 
     def _wait_for_keys(self, name: str, deadline: float, what: str) -> None:
-        # Polled: a worker that dies meanwhile (it joins _gone) must not be waited for.
+        # Polled: a worker that dies meanwhile (it joins _gone) must not be waited for. With
+        # backoff: a server may wait here for its trainers' whole run, and every poll is a request
+        # to the store that rank 0 serves.
+        delay = 0.005
         for rank in range(len(self._workers)):
             while rank not in self._gone and not self.store.has(f"{name}/{rank}"):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"worker {self.name!r}: worker {self._workers[rank].name!r} did not "
                                        f"{what} before the shutdown deadline")
-                time.sleep(0.01)
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.1)
 
     def _tear_down(self, deadline: float | None) -> None:
         """Close everything; with a deadline, also wait until then for calls still being served."""

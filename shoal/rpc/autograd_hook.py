@@ -10,6 +10,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
+from shoal.rpc.headers import AutogradTag
+
 
 class AutogradHook(ABC):
     @abstractmethod
@@ -21,13 +23,13 @@ class AutogradHook(ABC):
         """The id of the context the calling thread is in, if any."""
 
     @abstractmethod
-    def record_send(self, context_id: int, dst: int, tensors: dict[int, torch.Tensor]) -> int:
-        """Tensors (by their index in a message) leave for `dst`; returns the id of this send,
-        under which the gradients for them come back."""
+    def record_send(self, context_id: int, dst: int, tensors: dict[int, torch.Tensor]) -> AutogradTag:
+        """Tensors (by their index in a message) leave for `dst`; returns the tag the message
+        carries, which says where their gradients are to go."""
 
     @abstractmethod
-    def record_recv(self, context_id: int, src: int, send_id: int, tensors: dict[int, torch.Tensor]) -> None:
-        """Tensors (by their index in the message) arrived from `src`'s send `send_id`."""
+    def record_recv(self, src: int, tag: AutogradTag, tensors: dict[int, torch.Tensor]) -> None:
+        """Tensors (by their index in the message) arrived from `src` in a message tagged `tag`."""
 
     @abstractmethod
     def serving(self, context_id: int | None) -> AbstractContextManager[None]:

@@ -14,7 +14,7 @@ from shoal.rpc.rref import Owned, OwnerTable
 if TYPE_CHECKING:
     from shoal.rpc.rref import RRef
 
-ForkToken = tuple[int, RRefId, ForkId]  # (owner, object, fork): what a message carries for an RRef
+ForkToken = tuple[int, RRefId, "ForkId | None"]  # (owner, object, fork): what a message carries for an RRef
 MakeRRef = Callable[[int, RRefId, "ForkId | None", "Owned | None"], "RRef"]
 
 
@@ -43,10 +43,16 @@ class Forks:
             return encode(body, token)
         except BaseException:
             for fork in forks:
-                self._releaser.put(fork)
+                if fork[2] is not None:
+                    self._releaser.put(fork)
             raise
 
     def _fork(self, rref: RRef, holder: int) -> ForkToken:
+        if holder == rref._owner:
+            # Going home: no fork. The object cannot be freed before the message is read, since the
+            # reference it is sent from, or the fork that reference came from, holds it until a
+            # delete that the owner reads after this message (the same connection carries both).
+            return (rref._owner, rref._rref_id, None)
         fork_id = self._new_id()
         if rref._entry is not None:
             self.table.add_fork(rref._entry, fork_id, holder)
@@ -60,7 +66,8 @@ class Forks:
         if owner != self.rank:
             return self._make_rref(owner, rref_id, fork_id, None)
         rref = self._make_rref(owner, rref_id, None, self.table.entry(rref_id))
-        self.table.delete_fork(rref_id, fork_id)  # the local RRef holds the object from now on
+        if fork_id is not None:
+            self.table.delete_fork(rref_id, fork_id)  # the local RRef holds the object from now on
         return rref
 
     def on_change(self, change: ForkChange) -> None:

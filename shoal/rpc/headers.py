@@ -17,6 +17,7 @@ class Kind(int, Enum):
     REQUEST = 1
     RESPONSE = 2
     CONTROL = 3
+    NOTICE = 4  # a call that is not answered
 
 
 class Mode(str, Enum):
@@ -29,11 +30,14 @@ class Mode(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class AutogradTag:
-    """Names the distributed autograd context a message belongs to, and the send recorded on its
-    sender for the tensors in it that require grad (None when it has none)."""
+    """Names the distributed autograd context a message belongs to and says where the gradients of
+    its tensors that require grad go: to the send recorded on the sender (`send_id`, None if it
+    recorded none), except for `forwarded` tensors, which the sender received and passes on
+    unchanged: their gradients go straight to where they were made."""
 
     context_id: int
     send_id: int | None = None
+    forwarded: tuple[tuple[int, int, int, int], ...] = ()  # (index here, origin's rank, send id, index)
 
 
 @dataclass(frozen=True, slots=True)
