@@ -17,7 +17,7 @@ from types import TracebackType
 
 import torch
 
-from shoal.autograd.engine import run_pass
+from shoal.autograd import engine
 from shoal.autograd.registry import contexts
 from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.parallel.ddp import replicas_awaiting_reduction
@@ -62,7 +62,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     # A graph that also leads to tensors sent elsewhere is kept: their gradients come back later
     # and continue through it. It is freed with the context.
     keep = retain_graph or context.has_sends()
-    run_pass(context, roots, [torch.ones_like(root) for root in roots], keep).wait()
+    engine.backward(context, roots, keep, current_agent().default_timeout)
     # Replicas of DistributedDataParallel whose forward ran for this backward average their
     # gradients here, in the context, as their hooks would in `.grad` after a local backward.
     for replica in replicas_awaiting_reduction():

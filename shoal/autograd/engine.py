@@ -1,84 +1,157 @@
 """The distributed backward pass. Each worker runs PyTorch's own engine over its local part of the
 graph, from the roots on the worker that calls `backward` and from the tensors it sent elsewhere on
-the others; a gradient that reaches a received tensor goes back, over RPC, to the worker that sent
-it, which continues from there. A worker answers only once everything it passed gradients on to
-has answered, so the originator's `backward` returns when the whole graph is done.
+the others; a gradient that reaches a received tensor goes, as an RPC notice, to the worker that
+made that tensor, which continues from there.
 
 Only gradients that exist travel: a received tensor that does not lead to the roots gets none,
 and nobody waits for it (PyTorch's engine would wait for every send in the context).
+
+Knowing when the whole graph is done: the originator holds a weight of 1. Every pass hands an
+equal share of the weight it got to each worker it passes gradients on to, and returns the rest to
+the originator when it is done, along with any error. When the originator has all of it back, no
+pass is left anywhere. So the last worker tells the originator directly, instead of every worker
+answering the one before it in turn: one message on the way back, however long the chain.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
+from fractions import Fraction
 
 import torch
 
 from shoal.autograd.context import Context
 from shoal.autograd.registry import contexts
-from shoal.rpc import api as rpc
-from shoal.rpc.functions import async_execution
-from shoal.rpc.future import Future
+from shoal.errors import GroupBrokenError, PeerFailure
+from shoal.rpc.current import current_agent
+from shoal.rpc.message import PackedError, pack_error, unpack_error
 
 GradientBatch = list[tuple[int, int, torch.Tensor]]  # (send id, index in that send, gradient)
+Completion = tuple[int, int]  # (originator's rank, its backward's number): where weight goes back
+
+
+class _Backward:
+    """A distributed backward this worker started: the weight back so far, and the first error."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.returned = Fraction(0)
+        self.error: BaseException | None = None
+        self.over = threading.Event()
+
+    def add(self, weight: Fraction, error: BaseException | None) -> None:
+        with self.lock:
+            self.returned += weight
+            if error is not None and self.error is None:
+                self.error = error
+            if self.returned == 1 or self.error is not None:  # an error ends it at once, as in PyTorch
+                self.over.set()
+
+
+_numbers = itertools.count()
+_running: dict[int, _Backward] = {}
+_running_lock = threading.Lock()
+
+
+def backward(context: Context, roots: Sequence[torch.Tensor], retain_graph: bool, timeout: float) -> None:
+    """Run the distributed backward from `roots` and return once every pass of it is done; raise
+    the first error any pass met, PeerFailure if a worker died meanwhile, TimeoutError after
+    `timeout` seconds."""
+    number, record = next(_numbers), _Backward()
+    with _running_lock:
+        _running[number] = record
+    try:
+        run_pass(context, roots, [torch.ones_like(root) for root in roots], retain_graph,
+                 (current_agent().rank, number), Fraction(1))
+        if not record.over.wait(timeout):
+            raise TimeoutError(f"distributed backward in context {context.id} did not finish within {timeout:g}s")
+        if record.error is not None:
+            raise record.error
+    finally:
+        with _running_lock:
+            _running.pop(number, None)
+
+
+def _fail_running(rank: int) -> None:
+    """A worker died: no backward started here can be sure of finishing (its part may have been
+    there), so each fails now, naming it, rather than at its deadline."""
+    with _running_lock:
+        records = list(_running.values())
+    if records:
+        error = PeerFailure(rank, f"worker {current_agent().worker(rank).name!r} died during a distributed backward")
+        for record in records:
+            record.add(Fraction(0), error)
+
+
+contexts.when_peer_fails(_fail_running)
 
 
 def run_pass(context: Context, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-             retain_graph: bool) -> Future[None]:
+             retain_graph: bool, completion: Completion, weight: Fraction) -> None:
     """Backward from `outputs` through this worker's graph: gradients of leaves made here
-    accumulate in the context, those of received tensors go to their senders. The future
-    completes when every sender has finished its part."""
-    leaves = _leaves_reached(outputs)
-    found = (torch.autograd.grad(outputs, leaves, grads, retain_graph=retain_graph, allow_unused=True)
-             if leaves else ())
-    onward: dict[int, GradientBatch] = {}
-    for leaf, grad in zip(leaves, found, strict=True):
-        if grad is None:
-            continue
-        origin = context.origin(leaf)
-        if origin is None:
-            context.accumulate(leaf, grad)
-        else:
-            src, send_id, index = origin
-            onward.setdefault(src, []).append((send_id, index, grad))
-    with contexts.serving(None):  # gradients are not part of the graph they flow through
-        return all_done([rpc.rpc_async(src, gradients_arrive, args=(context.id, batch))
-                         for src, batch in onward.items()])
+    accumulate in the context, those of received tensors go to the workers that made them, each
+    with a share of `weight`; the rest of the weight goes back to the originator."""
+    try:
+        leaves = _leaves_reached(outputs)
+        found = (torch.autograd.grad(outputs, leaves, grads, retain_graph=retain_graph, allow_unused=True)
+                 if leaves else ())
+        onward: dict[int, GradientBatch] = {}
+        for leaf, grad in zip(leaves, found, strict=True):
+            if grad is None:
+                continue
+            origin = context.origin(leaf)
+            if origin is None:
+                context.accumulate(leaf, grad)
+            else:
+                src, send_id, index = origin
+                onward.setdefault(src, []).append((send_id, index, grad))
+    except BaseException as exc:
+        _give_back(completion, weight, exc)
+        return
+    share = weight / (len(onward) + 1)
+    agent = current_agent()
+    for src, batch in onward.items():
+        try:
+            agent.notify(src, gradients_arrive, (context.id, batch, completion, share))
+        except (PeerFailure, GroupBrokenError) as exc:
+            _give_back(completion, share, exc)
+    _give_back(completion, weight - share * len(onward), None)
 
 
-@async_execution
-def gradients_arrive(context_id: int, batch: GradientBatch) -> Future[None]:
-    """On the worker that sent these tensors: continue the backward from them."""
-    context = contexts.get(context_id)
-    outputs = [context.sent(send_id, index) for send_id, index, _ in batch]
+def gradients_arrive(context_id: int, batch: GradientBatch, completion: Completion, weight: Fraction) -> None:
+    """On the worker that made these tensors: continue the backward from them."""
+    try:
+        context = contexts.get(context_id)
+        outputs = [context.sent(send_id, index) for send_id, index, _ in batch]
+    except BaseException as exc:
+        _give_back(completion, weight, exc)
+        return
     # The graph is kept: another gradient for a tensor it shares may come later in this backward.
     # It is freed with the context.
-    return run_pass(context, outputs, [grad for _, _, grad in batch], retain_graph=True)
+    run_pass(context, outputs, [grad for _, _, grad in batch], True, completion, weight)
 
 
-def all_done(futures: list[Future]) -> Future[None]:
-    """Completes when every one of `futures` has; with the first error among them, if any."""
-    done: Future[None] = Future()
-    lock = threading.Lock()
-    remaining = [len(futures)]
-    errors: list[BaseException] = []
+def _give_back(completion: Completion, weight: Fraction, error: BaseException | None) -> None:
+    originator, number = completion
+    agent = current_agent()
+    packed = pack_error(error, agent.name) if error is not None else None
+    if originator == agent.rank:
+        weight_returned(number, weight, packed)
+        return
+    try:
+        agent.notify(originator, weight_returned, (number, weight, packed))
+    except (PeerFailure, GroupBrokenError):
+        pass  # the originator is gone, and its backward with it
 
-    def one_done(future: Future) -> None:
-        error = future.exception()
-        with lock:
-            if error is not None:
-                errors.append(error)
-            remaining[0] -= 1
-            finished = remaining[0] == 0
-        if finished:
-            done._complete(None, errors[0] if errors else None)
 
-    if not futures:
-        done.set_result(None)
-    for future in futures:
-        future.add_done_callback(one_done)
-    return done
+def weight_returned(number: int, weight: Fraction, error: PackedError | None) -> None:
+    """On the originator: a pass of backward `number` is done, or failed."""
+    with _running_lock:
+        record = _running.get(number)
+    if record is not None:  # else it ended already (an error, a timeout)
+        record.add(weight, unpack_error(error) if error is not None else None)
 
 
 def _leaves_reached(outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

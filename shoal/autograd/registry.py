@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -31,6 +31,11 @@ class ContextRegistry(autograd_hook.AutogradHook):
         self._dead: set[int] = set()
         self._rank: int | None = None
         self._thread = threading.local()
+        self._failure_listeners: list[Callable[[int], None]] = []
+
+    def when_peer_fails(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(rank)` after a worker's death has ended its contexts here."""
+        self._failure_listeners.append(listener)
 
     def started(self, rank: int) -> None:
         with self._lock:
@@ -115,6 +120,8 @@ class ContextRegistry(autograd_hook.AutogradHook):
                 orphaned = others and others <= self._dead and originator(context_id) != self._rank
                 if originator(context_id) == rank or orphaned:
                     del self._contexts[context_id]
+        for listener in self._failure_listeners:
+            listener(rank)
 
 
 contexts = ContextRegistry()
