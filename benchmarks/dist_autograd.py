@@ -11,7 +11,7 @@ Linear+ReLU layers as another, and the "trainer" holds the final Linear. One ste
 
     with dist_autograd.context() as ctx:
         loss = cross_entropy(head(mlp(embedding(indices, offsets))), target)    # two RPCs
-        dist_autograd.backward(ctx, [loss])                   # gradients cross back trainer->mlp->trainer->ps
+        dist_autograd.backward(ctx, [loss])                   # gradients go back trainer->mlp->ps
         optimizer.step(ctx)                                   # DistributedOptimizer(SGD) on all three
 
 The same code runs with torch's modules and with shoal's, each run on three freshly spawned

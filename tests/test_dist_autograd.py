@@ -382,7 +382,7 @@ def test_the_contexts_of_an_originator_killed_mid_backward_are_released_by_the_o
 
 # ---- DistributedDataParallel inside a context -------------------------------------------------------
 
-def _ddp_in_context(rank: int, world: int, port: int, group_port: int) -> bool | None:
+def _ddp_in_context(rank: int, world: int, port: int, group_port: int) -> dict | None:
     """w1 and w2 wrap a local layer in DDP (a process group of their own) after a layer on w0; a
     distributed backward leaves the layer's gradients in each context averaged over both."""
     import shoal.distributed as dist
@@ -390,7 +390,7 @@ def _ddp_in_context(rank: int, world: int, port: int, group_port: int) -> bool |
     from shoal.parallel import DistributedDataParallel
 
     _init(rank, world, port)
-    same = None
+    checks = None
     if rank > 0:
         dist.init_process_group("shoal", f"tcp://127.0.0.1:{group_port}", rank=rank - 1, world_size=2)
         remote = RemoteModule("w0/cpu", torch.nn.Linear, args=(4, 4), kwargs={"dtype": torch.float64})
@@ -407,15 +407,56 @@ def _ddp_in_context(rank: int, world: int, port: int, group_port: int) -> bool |
         theirs = [torch.zeros_like(g) for g in mine]
         for g, t in zip(mine, theirs, strict=True):
             dist.all_reduce(t.copy_(g))
-        same = all(torch.allclose(g, t / 2, rtol=1e-12, atol=1e-12) for g, t in zip(got, theirs, strict=True))
-        same = same and local.weight.grad is None and not torch.allclose(mine[0], theirs[0] / 2)
+        checks = {
+            "averaged": all(torch.allclose(g, t / 2, rtol=1e-12, atol=1e-12) for g, t in zip(got, theirs, strict=True)),
+            "not .grad": local.weight.grad is None,
+            "trainers differ": not torch.allclose(mine[0], theirs[0] / 2),  # else averaging proves nothing
+        }
         dist.destroy_process_group()
     rpc.shutdown()
-    return same
+    return checks
 
 
 def test_ddp_inside_a_context_averages_its_gradients_in_the_context() -> None:
     from tests.ranks import free_port
 
     out = run_ranks(_ddp_in_context, 3, free_port(), backend=None, timeout=90)
-    assert out[1] is True and out[2] is True
+    expected = {"averaged": True, "not .grad": True, "trainers differ": True}
+    assert out[1] == expected and out[2] == expected
+
+
+# ---- every worker a context reached is told when it ends ---------------------------------------------
+
+def relay_through(name: str, x: torch.Tensor) -> float:
+    """Called with a tensor that needs no grad: the call joins the context all the same, and its
+    own call to `name` records a send there."""
+    return rpc.rpc_sync(name, branch, args=(x @ param("A"), "C")).sum().item()
+
+
+def slow_output(x: torch.Tensor) -> torch.Tensor:
+    time.sleep(0.5)  # the remote work itself: its answer arrives after the caller's context ended
+    return x @ param("B")
+
+
+def _contexts_end_everywhere(rank: int, world: int, port: int) -> dict:
+    _init(rank, world, port)
+    out: dict = {}
+    if rank == 0:
+        with dist_autograd.context():
+            out["relayed"] = rpc.rpc_sync("w1", relay_through, args=("w2", initial("x", (3, 4))))
+        with dist_autograd.context():
+            late = rpc.rpc_async("w1", slow_output, args=(_x(),))
+        try:
+            late.wait()
+        except RuntimeError as exc:
+            out["late"] = str(exc)
+        out["left"] = contexts_left(["w0", "w1", "w2"])
+    rpc.shutdown()
+    return out
+
+
+def test_contexts_end_on_workers_reached_without_grad_tensors_and_do_not_come_back_late() -> None:
+    out = run_ranks(_contexts_end_everywhere, 3, backend=None, timeout=60)[0]
+    assert isinstance(out["relayed"], float)
+    assert "released here already" in out["late"]
+    assert out["left"] == [0, 0, 0]

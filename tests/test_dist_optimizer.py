@@ -3,6 +3,9 @@ three owners trains exactly as the same model in one process does (float64)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -119,3 +122,33 @@ def _errors(rank: int, world: int, port: int) -> dict:
 
 def test_remote_module_and_optimizer_errors_are_raised_on_the_caller() -> None:
     assert run_ranks(_errors, 2, backend=None, timeout=60)[0] == {"remote_traceback": True}
+
+
+class SlowSGD(torch.optim.SGD):
+    """Reads each gradient twice, a while apart: another step that put its own gradient into
+    `.grad` meanwhile would show."""
+
+    seen_changes: list[bool] = []
+
+    def step(self, closure=None):
+        before = [p.grad.clone() for p in self.param_groups[0]["params"]]
+        time.sleep(0.05)  # the step's own work, stretched so that a concurrent step would overlap it
+        after = [p.grad for p in self.param_groups[0]["params"]]
+        SlowSGD.seen_changes.append(any(not torch.equal(b, a) for b, a in zip(before, after, strict=True)))
+        return super().step(closure)
+
+
+def test_steps_of_two_trainers_on_one_owner_do_not_mix_their_gradients() -> None:
+    from shoal.optim.distributed import _LocalOptimizer
+
+    param = torch.zeros(3, requires_grad=True)
+    first = _LocalOptimizer(SlowSGD, [param], (), {"lr": 1.0})  # each trainer's DistributedOptimizer
+    second = _LocalOptimizer(SlowSGD, [param], (), {"lr": 1.0})  # makes its own on the owner
+    threads = [threading.Thread(target=local.apply, args=({param: torch.full((3,), float(g))},))
+               for local, g in ((first, 1), (second, 2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert SlowSGD.seen_changes == [False, False]
+    assert torch.equal(param.detach(), torch.full((3,), -3.0)) and param.grad is None

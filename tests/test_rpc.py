@@ -261,6 +261,9 @@ def _rref_sharing(rank: int, world: int, port: int) -> dict:
         out["owner_gets_it_back"] = rpc.rpc_sync("w1", bump, args=(counter, 1))  # the owner's own RRef
         mine = rpc.RRef(Counter(100))  # owned here, used there
         out["local_owner"] = rpc.rpc_sync("w2", bump, args=(mine, 1))
+        # ... and here, through the proxy and as an argument to ourselves: the owner's own RRef
+        # sent to the owner makes a fork like any other, and finds its object.
+        out["own_proxy"] = (mine.rpc_sync().add(1), rpc.rpc_sync("w0", bump, args=(mine, 1)))
         out["values"] = (counter.to_here().value, mine.local_value().value)
     rpc.shutdown()
     return out
@@ -268,7 +271,8 @@ def _rref_sharing(rank: int, world: int, port: int) -> dict:
 
 def test_rref_passed_to_a_third_worker_is_used_there() -> None:
     out = run_ranks(_rref_sharing, 3, backend=None, timeout=90)[0]
-    assert out == {"third": 5, "owner_gets_it_back": 6, "local_owner": 101, "values": (6, 101)}
+    assert out == {"third": 5, "owner_gets_it_back": 6, "local_owner": 101, "own_proxy": (102, 103),
+                   "values": (6, 103)}
 
 
 def _refcount(rank: int, world: int, port: int) -> dict:
@@ -463,6 +467,8 @@ def _lifecycle(rank: int, world: int, port: int) -> dict:
         mine = rpc.remote("w0", Counter, args=(5,))  # owned here, held by the local RRef alone
         out["own_remote"] = (mine.to_here().value, owned_objects())
         del mine
+        # The pool thread that made it may still be finishing (its frames hold the object a moment).
+        wait_until(lambda: live_counters() == 0, "the dropped object is freed")
         out["own_remote_freed"] = (live_counters(), owned_objects())
         # A callback that makes an RPC of its own is outstanding work: shutdown waits for it.
         later = rpc.rpc_async("w1", sleep_then, args=(0.3, 1))

@@ -200,3 +200,16 @@ def test_errors_keep_their_type_or_fall_back_with_the_type_name() -> None:
     assert "on worker 'w1'" in str(rebuilt.__cause__) and "raise ValueError" in str(rebuilt.__cause__)
     odd = unpack_error(pack_error(_Odd(1, 2), "w1"))
     assert isinstance(odd, RemoteError) and "_Odd" in str(odd) and "3" in str(odd)
+
+
+def test_callbacks_that_torch_registers_see_the_future_done_and_may_add_their_own() -> None:
+    future: Future[int] = Future()
+    seen: list = []
+
+    def on_all(_: torch.futures.Future) -> None:
+        seen.append((future.done(), future.wait(1.0)))
+        future.add_done_callback(lambda done: seen.append(done.value()))  # must not deadlock
+
+    torch.futures.collect_all([future]).then(on_all)
+    future.set_result(5)
+    assert seen == [(True, 5), 5]

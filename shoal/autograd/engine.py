@@ -115,7 +115,7 @@ def run_pass(context: Context, outputs: Sequence[torch.Tensor], grads: Sequence[
     for src, batch in onward.items():
         try:
             agent.notify(src, gradients_arrive, (context.id, batch, completion, share))
-        except (PeerFailure, GroupBrokenError) as exc:
+        except Exception as exc:  # the worker is gone, or the gradients could not be sent
             _give_back(completion, share, exc)
     _give_back(completion, weight - share * len(onward), None)
 

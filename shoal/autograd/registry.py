@@ -3,6 +3,7 @@ them: which context the calling thread is in, and what each message in a context
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 from collections.abc import Callable, Iterator
@@ -29,6 +30,10 @@ class ContextRegistry(autograd_hook.AutogradHook):
         self._numbers = itertools.count()
         self._send_ids = itertools.count()
         self._dead: set[int] = set()
+        # The last contexts released here, so that a late message cannot recreate one (bounded:
+        # a message later than this many releases would find it gone and recreate it).
+        self._released: collections.deque[int] = collections.deque(maxlen=65536)
+        self._released_ids: set[int] = set()
         self._rank: int | None = None
         self._thread = threading.local()
         self._failure_listeners: list[Callable[[int], None]] = []
@@ -42,6 +47,8 @@ class ContextRegistry(autograd_hook.AutogradHook):
             self._rank = rank
             self._contexts.clear()
             self._dead.clear()
+            self._released.clear()
+            self._released_ids.clear()
 
     # ---- contexts ----------------------------------------------------------------------------
 
@@ -60,7 +67,12 @@ class ContextRegistry(autograd_hook.AutogradHook):
         return context
 
     def pop(self, context_id: int) -> Context | None:
+        """End a context here; a message for it that arrives late will not bring it back."""
         with self._lock:
+            if len(self._released) == self._released.maxlen:
+                self._released_ids.discard(self._released[0])
+            self._released.append(context_id)
+            self._released_ids.add(context_id)
             return self._contexts.pop(context_id, None)
 
     def _get_or_create(self, context_id: int) -> Context:
@@ -68,6 +80,9 @@ class ContextRegistry(autograd_hook.AutogradHook):
             if originator(context_id) in self._dead:
                 raise RuntimeError(f"distributed autograd context {context_id} ended with its worker "
                                    f"(rank {originator(context_id)}), which died")
+            if context_id in self._released_ids:
+                raise RuntimeError(f"distributed autograd context {context_id} was released here already; "
+                                   f"a call made in it finished after its `with` block ended")
             context = self._contexts.get(context_id)
             if context is None:
                 context = self._contexts[context_id] = Context(context_id)

@@ -66,9 +66,10 @@ class RemoteModule(nn.Module):
         return self.module_rref
 
     def _not_here(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("this method acts on local parameters, and a RemoteModule keeps its module on "
-                           f"{self.on!r}: use remote_parameters() or get_module_rref() instead")
+        raise RuntimeError(f"a RemoteModule keeps its module on {self.on!r}, so this method would act on an empty "
+                           f"local shell: use remote_parameters(), or call the module's own method through "
+                           f"get_module_rref() (for instance module.get_module_rref().rpc_sync().train())")
 
     parameters = named_parameters = buffers = named_buffers = _not_here
     state_dict = load_state_dict = to = cuda = cpu = type = float = double = half = bfloat16 = _not_here
-    register_parameter = register_buffer = zero_grad = share_memory = requires_grad_ = _not_here
+    register_parameter = register_buffer = zero_grad = share_memory = requires_grad_ = train = eval = _not_here

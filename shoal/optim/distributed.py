@@ -15,18 +15,24 @@ from shoal.rpc.rref import RRef
 
 
 class _LocalOptimizer:
-    """Lives on a parameters' owner. Steps are serialized: several trainers may step it at once,
-    each with its own context's gradients, which are put into `.grad` only for the step."""
+    """Lives on a parameters' owner. Each step puts one context's gradients into `.grad` for its
+    length only. Several trainers may step at once, each with its own DistributedOptimizer (and so
+    its own local optimizer) over the same parameters: one lock for all of them on this worker
+    keeps their steps from mixing each other's gradients."""
 
-    def __init__(self, optimizer_class: type[torch.optim.Optimizer], params: list[RRef], args: tuple,
+    _lock = threading.Lock()
+
+    def __init__(self, optimizer_class: type[torch.optim.Optimizer], params: list[torch.Tensor], args: tuple,
                  kwargs: dict) -> None:
-        self._params = [rref.local_value() for rref in params]
+        self._params = params
         self._optimizer = optimizer_class(self._params, *args, **kwargs)
-        self._lock = threading.Lock()
 
     def step(self, context_id: int) -> None:
-        gradients = get_gradients(context_id)
-        with self._lock:
+        self.apply(get_gradients(context_id))
+
+    def apply(self, gradients: dict[torch.Tensor, torch.Tensor]) -> None:
+        """One optimizer step with these gradients; parameters without one are skipped."""
+        with _LocalOptimizer._lock:
             for param in self._params:
                 param.grad = gradients.get(param)
             try:
@@ -37,7 +43,8 @@ class _LocalOptimizer:
 
 
 def _create(optimizer_class: type, params: list[RRef], args: tuple, kwargs: dict) -> _LocalOptimizer:
-    return _LocalOptimizer(optimizer_class, params, args, kwargs)
+    """Runs on the owner of `params`."""
+    return _LocalOptimizer(optimizer_class, [rref.local_value() for rref in params], args, kwargs)
 
 
 def _step(local: RRef, context_id: int) -> None:

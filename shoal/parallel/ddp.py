@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -65,6 +66,7 @@ class DistributedDataParallel(nn.Module):
         self._inflight: list[Pending | None] = [None] * len(self.buckets)
         self.launched_in_backward = 0  # buckets whose reduction began before backward ended (last step)
         self._prepared = False  # forward has reset the buckets for the backward that follows it
+        self._forward_thread: int | None = None  # which thread ran the forward that prepared it
         self._number = next(_numbers)
         _replicas.add(self)
         for bucket in self.buckets:
@@ -98,6 +100,7 @@ class DistributedDataParallel(nn.Module):
         self._step_syncs = self._require_sync
         if self._step_syncs and torch.is_grad_enabled():
             self._prepare_for_backward()
+            self._forward_thread = threading.get_ident()
             # Only a step that will synchronize takes rank 0's buffers, so that evaluating on one rank
             # alone (no_grad) involves no collective.
             if self.broadcast_buffers and self.process_group.size > 1:
@@ -151,9 +154,10 @@ class DistributedDataParallel(nn.Module):
         self._complete_reduction(lambda param: param.grad, _write_grad)
 
     def awaits_reduction(self) -> bool:
-        """Whether the last forward prepared a synchronized backward whose gradients no backward
-        has reduced yet, as happens when they go elsewhere than `.grad` (distributed autograd)."""
-        return self._prepared and self._step_syncs
+        """Whether the last forward, run on this thread, prepared a synchronized backward whose
+        gradients no backward has reduced yet, as happens when they go elsewhere than `.grad`
+        (distributed autograd)."""
+        return self._prepared and self._step_syncs and self._forward_thread == threading.get_ident()
 
     def reduce_gradients(self, grads: dict[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
         """Average gradients held outside `.grad` (a distributed autograd context's) over the replicas,
@@ -212,8 +216,9 @@ class DistributedDataParallel(nn.Module):
 
 
 def replicas_awaiting_reduction() -> list[DistributedDataParallel]:
-    """Live replicas whose forward prepared a synchronized backward that no backward reduced yet,
-    in creation order: the order in which every rank must reduce them (see reduce_gradients)."""
+    """Live replicas whose forward, on this thread, prepared a synchronized backward that no
+    backward reduced yet, in creation order: the order in which every rank must reduce them (see
+    reduce_gradients)."""
     return sorted((r for r in list(_replicas) if r.awaits_reduction()), key=lambda r: r._number)
 
 

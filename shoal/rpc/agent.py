@@ -222,17 +222,19 @@ class RpcAgent:
         return hook.current_context() if hook is not None else None
 
     def _outgoing_tag(self, dst: int, payload: Encoded | None, context_id: int | None) -> AutogradTag | None:
-        """The tag a message in `context_id` carries; records its tensors that require grad as a send."""
+        """The tag a message in `context_id` carries. Every such message is recorded, with or
+        without tensors that require grad: its receiver joins the context (it runs the call in it,
+        and may record sends of its own), and so must be told when the context ends."""
         if context_id is None:
             return None
         hook = autograd_hook.installed()
-        if payload is None or not payload.grad_tensors or hook is None:
+        if hook is None:
             return AutogradTag(context_id)
-        return hook.record_send(context_id, dst, payload.grad_tensors)
+        return hook.record_send(context_id, dst, payload.grad_tensors if payload is not None else {})
 
     def _record_arrival(self, src: int, tag: AutogradTag | None, grad_tensors: dict[int, torch.Tensor]) -> None:
         hook = autograd_hook.installed()
-        if tag is not None and grad_tensors and hook is not None:
+        if tag is not None and hook is not None:
             hook.record_recv(src, tag, grad_tensors)
 
     def _in_context(self, tag: AutogradTag | None) -> AbstractContextManager[None]:
@@ -275,12 +277,15 @@ class RpcAgent:
 
     def _on_notice(self, src: int, msg_id: int, header: Request, body: bytes | bytearray,
                    tensors: list[torch.Tensor]) -> None:
-        args, kwargs = decode(body, tensors, self._forks.adopt)
-
         def settle(value: Any, error: BaseException | None) -> None:
-            if error is not None:
+            if error is not None:  # nobody waits for an answer: this log is all that is left of it
                 log.error("worker %r: notice %s.%s from rank %d failed: %r", self.name, *header.function, src, error)
 
+        try:
+            args, kwargs = decode(body, tensors, self._forks.adopt)
+        except Exception as exc:
+            settle(None, exc)
+            return
         self._submit(self._run_function, header.function, args, kwargs, None, settle)
 
     def _run_function(self, ref: FunctionRef, args: tuple, kwargs: dict, tag: AutogradTag | None,
@@ -332,9 +337,13 @@ class RpcAgent:
         if error is None:
             try:
                 payload = self._forks.encode_for(dst, value)
-                answer_tag = self._outgoing_tag(dst, payload, tag.context_id if tag is not None else None)
             except Exception as exc:
                 error = TypeError(f"the result ({type(value).__name__}) could not be sent back: {exc}")
+            else:
+                try:
+                    answer_tag = self._outgoing_tag(dst, payload, tag.context_id if tag is not None else None)
+                except Exception as exc:  # its context ended meanwhile
+                    error = exc
         if error is not None:
             payload = encode(pack_error(error, self.name))
         try:
@@ -350,16 +359,18 @@ class RpcAgent:
                      tensors: list[torch.Tensor]) -> None:
         # Decoded even when the call has timed out meanwhile: RRefs in it must be adopted (and then
         # released), or their owner would keep the objects forever.
+        call = self._outstanding.get(msg_id)
+        answered = call is not None and call.dst == src  # else late: its context may be gone
         try:
             grad_tensors: dict[int, torch.Tensor] = {}
             payload = decode(body, tensors, self._forks.adopt, grad_tensors)
-            self._record_arrival(src, header.autograd, grad_tensors)
+            if answered:
+                self._record_arrival(src, header.autograd, grad_tensors)
             value, error = (payload, None) if header.ok else (None, unpack_error(payload))
         except Exception as exc:
             value, error = None, RuntimeError(f"the answer from worker {self._workers[src].name!r} could not "
                                               f"be rebuilt: {exc}")
-        call = self._outstanding.get(msg_id)
-        if call is not None and call.dst == src:
+        if answered:
             self._outstanding.finish(msg_id, value, error)
 
     # ---- failures and shutdown ---------------------------------------------------------------

@@ -48,8 +48,8 @@ class Forks:
             raise
 
     def _fork(self, rref: RRef, holder: int) -> ForkToken:
-        if holder == rref._owner:
-            # Going home: no fork. The object cannot be freed before the message is read, since the
+        if holder == rref._owner and rref._entry is None:
+            # Going home from a holder: no fork. The object cannot be freed before the message is read, since the
             # reference it is sent from, or the fork that reference came from, holds it until a
             # delete that the owner reads after this message (the same connection carries both).
             return (rref._owner, rref._rref_id, None)
@@ -65,9 +65,10 @@ class Forks:
         owner, rref_id, fork_id = token
         if owner != self.rank:
             return self._make_rref(owner, rref_id, fork_id, None)
+        if fork_id is None:  # sent home by a holder, whose fork keeps the entry in the table
+            return self._make_rref(owner, rref_id, None, self.table.existing(rref_id))
         rref = self._make_rref(owner, rref_id, None, self.table.entry(rref_id))
-        if fork_id is not None:
-            self.table.delete_fork(rref_id, fork_id)  # the local RRef holds the object from now on
+        self.table.delete_fork(rref_id, fork_id)  # the local RRef holds the object from now on
         return rref
 
     def on_change(self, change: ForkChange) -> None:

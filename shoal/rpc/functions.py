@@ -1,6 +1,6 @@
 """`@async_execution`: a remote function that answers later. It returns a future at once and the
 callee answers the caller when that future completes, so a call that waits on other calls (a
-parameter server batching updates, a distributed backward) holds no thread while it waits."""
+parameter server batching updates from several trainers) holds no thread while it waits."""
 
 from __future__ import annotations
 

@@ -91,17 +91,25 @@ class Future(torch.futures.Future[T]):
             if self._done.is_set():
                 return False
             self._value, self._error = value, error
-            # The C++ side too, for torch.futures' functions, which wait on it rather than on us.
-            if error is not None:
-                torch._C.Future._set_unwrap_func(self, _raise)
-                torch._C.Future.set_result(self, error)
-            else:
-                torch._C.Future.set_result(self, value)
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
+        if self._run_callback is not None:
+            # Callbacks registered through torch (collect_all, its then) run when the C++ side
+            # completes: that too is handed to the pool, never done on a connection's reader.
+            self._run_callback(self._complete_torch_side)
+        else:
+            self._complete_torch_side()
         for callback in callbacks:
             if self._run_callback is not None:
                 self._run_callback(lambda cb=callback: cb(self))
             else:
                 callback(self)
         return True
+
+    def _complete_torch_side(self) -> None:
+        """The C++ future's value, for torch.futures' functions, which wait on it rather than on us."""
+        if self._error is not None:
+            torch._C.Future._set_unwrap_func(self, _raise)
+            torch._C.Future.set_result(self, self._error)
+        else:
+            torch._C.Future.set_result(self, self._value)

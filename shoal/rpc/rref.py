@@ -68,6 +68,14 @@ class OwnerTable:
                 entry = self._entries[rref_id] = Owned(rref_id)
             return entry
 
+    def existing(self, rref_id: RRefId) -> Owned:
+        """The entry for `rref_id`, which some fork holds; an internal error if none does."""
+        with self._lock:
+            entry = self._entries.get(rref_id)
+        if entry is None:
+            raise RuntimeError(f"RRef {rref_id} came back to its owner, which holds no such object")
+        return entry
+
     def created_remotely(self, rref_id: RRefId, fork_id: ForkId, holder: int) -> Owned:
         """A remote() call arrived: the entry exists from now on, held by the caller's fork."""
         entry = self.entry(rref_id)

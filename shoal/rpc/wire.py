@@ -95,11 +95,11 @@ class Wire:
             raise ConnectionError(f"RPC message {seq} from rank {src} came with {len(tensors)} of its "
                                   f"{tensor_count} tensors")
         try:
-            header, inner = pickle.loads(body)
+            kind, (header, inner) = Kind(kind), pickle.loads(body)
         except Exception:  # one bad message must not take the connection down with it
             log.exception("worker %r: RPC message %d from rank %d has no readable header", self._name, seq, src)
             return
-        self._dispatch(src, Kind(kind), seq, header, inner, tensors)
+        self._dispatch(src, kind, seq, header, inner, tensors)
 
     def _dispatch(self, src: int, kind: Kind, msg_id: int, header: Any, body: bytes | bytearray,
                   tensors: list[torch.Tensor]) -> None:
