@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
 import os
-import queue
 import statistics
 import sys
 import time
@@ -175,43 +173,8 @@ def _worker(rank: int, library: str, port: int, steps: int, results) -> None:
 
 def run_side(library: str, steps: int, timeout: float) -> dict:
     """Run the program with one library's modules on len(WORKERS) fresh spawned processes; the
-    trainer's result. Raises if a worker fails or the whole run takes longer than `timeout` seconds;
-    every process started here is gone when it returns."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _ranks.free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, library, port, steps, results), daemon=True,
-                         name=f"{library}-{name}") for rank, name in enumerate(WORKERS)]
-    deadline = time.monotonic() + timeout
-    result = None
-    for p in procs:
-        p.start()
-    try:
-        while result is None:
-            try:
-                result = results.get(timeout=1.0)
-            except queue.Empty:
-                failed = [p for p in procs if p.exitcode not in (None, 0)]
-                if failed:
-                    raise RuntimeError(f"{library} run: worker {failed[0].name} exited with code "
-                                       f"{failed[0].exitcode}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{library} run: no result after {timeout:.0f} s") from None
-        return result
-    finally:
-        # After a result, the workers' graceful RPC shutdown gets a while; after a failure, none.
-        grace_ends = time.monotonic() + (30 if result is not None else 0)
-        for p in procs:
-            p.join(timeout=max(0.0, grace_ends - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results.close()
-        results.join_thread()
+    trainer's result. Raises if a worker fails or the whole run takes longer than `timeout` seconds."""
+    return _ranks.run(_worker, len(WORKERS), library, _ranks.free_port(), steps, timeout=timeout)
 
 
 def _p90(times: list[float]) -> float:

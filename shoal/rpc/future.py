@@ -93,12 +93,10 @@ class Future(torch.futures.Future[T]):
             self._value, self._error = value, error
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
-        if self._run_callback is not None:
-            # Callbacks registered through torch (collect_all, its then) run when the C++ side
-            # completes: that too is handed to the pool, never done on a connection's reader.
-            self._run_callback(self._complete_torch_side)
-        else:
-            self._complete_torch_side()
+        # Out of the lock and after `done`: callbacks registered through torch's own functions
+        # (collect_all, its then) run in here, on this thread, and may look at this future. As
+        # for any torch future, they must not block: it may be a connection's reader thread.
+        self._complete_torch_side()
         for callback in callbacks:
             if self._run_callback is not None:
                 self._run_callback(lambda cb=callback: cb(self))
