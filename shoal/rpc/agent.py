@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -158,7 +157,7 @@ class RpcAgent:
             entry = Owned(self.new_id())
             entry.created = True
             created: Future[None] = Future(run_callback=self._run_callback)
-            tag = self._outgoing_tag(dst, None, self._current_context())  # no message: only the context
+            tag = autograd_hook.outgoing_tag(dst, None, autograd_hook.current_context())  # no message: only the context
             self._run_callback(lambda: self._create(entry, ref, args, kwargs or {}, tag, created))
             return RRef._make(self, self.rank, entry.rref_id, None, entry, created)
         rref_id, fork_id = self.new_id(), self.new_id()
@@ -186,7 +185,7 @@ class RpcAgent:
         # Arguments are pickled apart from the header, so a callee that cannot rebuild them still
         # knows which call (and which remote object) to report the failure for.
         payload = self._forks.encode_for(dst, (tuple(args), kwargs or {}))
-        header = replace(header, autograd=self._outgoing_tag(dst, payload, self._current_context()))
+        header = replace(header, autograd=autograd_hook.outgoing_tag(dst, payload, autograd_hook.current_context()))
         msg_id = next(self._ids)
         self._outstanding.add(msg_id, Call(future, dst, what, seconds))
         try:
@@ -215,32 +214,6 @@ class RpcAgent:
         except RuntimeError:  # the pool is shut down: nothing else will run it
             fn(*args)
 
-    # ---- distributed autograd (see autograd_hook.py) -----------------------------------------
-
-    def _current_context(self) -> int | None:
-        hook = autograd_hook.installed()
-        return hook.current_context() if hook is not None else None
-
-    def _outgoing_tag(self, dst: int, payload: Encoded | None, context_id: int | None) -> AutogradTag | None:
-        """The tag a message in `context_id` carries. Every such message is recorded, with or
-        without tensors that require grad: its receiver joins the context (it runs the call in it,
-        and may record sends of its own), and so must be told when the context ends."""
-        if context_id is None:
-            return None
-        hook = autograd_hook.installed()
-        if hook is None:
-            return AutogradTag(context_id)
-        return hook.record_send(context_id, dst, payload.grad_tensors if payload is not None else {})
-
-    def _record_arrival(self, src: int, tag: AutogradTag | None, grad_tensors: dict[int, torch.Tensor]) -> None:
-        hook = autograd_hook.installed()
-        if tag is not None and hook is not None:
-            hook.record_recv(src, tag, grad_tensors)
-
-    def _in_context(self, tag: AutogradTag | None) -> AbstractContextManager[None]:
-        hook = autograd_hook.installed()
-        return hook.serving(tag.context_id) if tag is not None and hook is not None else nullcontext()
-
     def _tell_owner(self, owner: int, change: ForkChange) -> None:
         self._wire.send(owner, Kind.CONTROL, next(self._ids), change, Encoded(b""))
 
@@ -259,7 +232,7 @@ class RpcAgent:
         try:
             grad_tensors: dict[int, torch.Tensor] = {}
             args, kwargs = decode(body, tensors, self._forks.adopt, grad_tensors)
-            self._record_arrival(src, tag, grad_tensors)
+            autograd_hook.record_arrival(src, tag, grad_tensors)
         except Exception as exc:
             if entry is not None:
                 entry.value.set_exception(exc)
@@ -294,7 +267,7 @@ class RpcAgent:
         the outcome at once or, for an @async_execution function, once its future completes."""
         try:
             func = resolve_function(ref, self.name)
-            with self._in_context(tag):
+            with autograd_hook.serving(tag):
                 result = func(*args, **kwargs)
             answers_later = is_async_execution(func)
             if answers_later and not isinstance(result, torch._C.Future):  # then()'s futures are only that
@@ -341,7 +314,7 @@ class RpcAgent:
                 error = TypeError(f"the result ({type(value).__name__}) could not be sent back: {exc}")
             else:
                 try:
-                    answer_tag = self._outgoing_tag(dst, payload, tag.context_id if tag is not None else None)
+                    answer_tag = autograd_hook.outgoing_tag(dst, payload, tag.context_id if tag is not None else None)
                 except Exception as exc:  # its context ended meanwhile
                     error = exc
         if error is not None:
@@ -365,7 +338,7 @@ class RpcAgent:
             grad_tensors: dict[int, torch.Tensor] = {}
             payload = decode(body, tensors, self._forks.adopt, grad_tensors)
             if answered:
-                self._record_arrival(src, header.autograd, grad_tensors)
+                autograd_hook.record_arrival(src, header.autograd, grad_tensors)
             value, error = (payload, None) if header.ok else (None, unpack_error(payload))
         except Exception as exc:
             value, error = None, RuntimeError(f"the answer from worker {self._workers[src].name!r} could not "

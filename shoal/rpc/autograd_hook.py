@@ -6,11 +6,12 @@ installs the one implementation when it is imported (importing `shoal` does so).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from shoal.rpc.headers import AutogradTag
+from shoal.rpc.message import Encoded
 
 
 class AutogradHook(ABC):
@@ -50,3 +51,30 @@ def install(hook: AutogradHook) -> None:
 
 def installed() -> AutogradHook | None:
     return _hook
+
+
+# ---- what the agent calls: each a no-op while no hook is installed --------------------------------
+
+def current_context() -> int | None:
+    return _hook.current_context() if _hook is not None else None
+
+
+def outgoing_tag(dst: int, payload: Encoded | None, context_id: int | None) -> AutogradTag | None:
+    """The tag a message in `context_id` carries. Every such message is recorded, with or without
+    tensors that require grad: its receiver joins the context (it runs the call in it, and may
+    record sends of its own), and so must be told when the context ends."""
+    if context_id is None:
+        return None
+    if _hook is None:
+        return AutogradTag(context_id)
+    return _hook.record_send(context_id, dst, payload.grad_tensors if payload is not None else {})
+
+
+def record_arrival(src: int, tag: AutogradTag | None, grad_tensors: dict[int, torch.Tensor]) -> None:
+    if tag is not None and _hook is not None:
+        _hook.record_recv(src, tag, grad_tensors)
+
+
+def serving(tag: AutogradTag | None) -> AbstractContextManager[None]:
+    """Run a served call in the context its message came from."""
+    return _hook.serving(tag.context_id) if tag is not None and _hook is not None else nullcontext()
