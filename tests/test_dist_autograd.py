@@ -261,33 +261,41 @@ def test_after_a_thousand_contexts_none_is_alive_on_any_worker() -> None:
 
 # ---- failures ----------------------------------------------------------------------------------------
 
-class FailsInBackward(torch.autograd.Function):
+_originator_pid: list[int] = []
+
+
+def _refuse() -> None:
+    raise ValueError("backward refused on purpose")
+
+
+# What a backward does on the worker that runs it: the faults the tests inject.
+_FAULTS = {
+    "fail": _refuse,
+    "die": lambda: os.kill(os.getpid(), signal.SIGKILL),
+    "kill the originator": lambda: os.kill(_originator_pid[0], signal.SIGKILL),
+}
+
+
+class FaultInBackward(torch.autograd.Function):
+    """Doubles its input; its backward injects the fault named by `fault`."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, fault: str) -> torch.Tensor:
+        ctx.fault = fault
         return x * 2
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        raise ValueError("backward refused on purpose")
-
-
-class DiesInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        os.kill(os.getpid(), signal.SIGKILL)
-        return grad
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _FAULTS[ctx.fault]()
+        return grad * 2, None
 
 
 def fails_in_backward(x: torch.Tensor) -> torch.Tensor:
-    return FailsInBackward.apply(x @ param("B"))
+    return FaultInBackward.apply(x @ param("B"), "fail")
 
 
 def dies_in_backward(x: torch.Tensor) -> torch.Tensor:
-    return DiesInBackward.apply(x @ param("B"))
+    return FaultInBackward.apply(x @ param("B"), "die")
 
 
 def _remote_backward_error(rank: int, world: int, port: int) -> dict:
@@ -333,26 +341,12 @@ def test_a_worker_dying_mid_backward_is_raised_as_peer_failure_naming_it() -> No
     assert out[0] == {"failed_rank": 1, "alive": [0, 0]}
 
 
-_originator_pid: list[int] = []
-
-
 def remember_originator(pid: int) -> None:
     _originator_pid.append(pid)
 
 
-class KillsOriginatorInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        os.kill(_originator_pid[0], signal.SIGKILL)
-        return grad
-
-
 def kills_originator_in_backward(x: torch.Tensor) -> torch.Tensor:
-    return KillsOriginatorInBackward.apply(x @ param("B"))
+    return FaultInBackward.apply(x @ param("B"), "kill the originator")
 
 
 def _originator_dies_mid_backward(rank: int, world: int, port: int) -> dict:
