@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import os
 import secrets
 import signal
@@ -23,6 +22,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+from shoal.orphans import die_with_parent
 
 _GRACE_S = 10.0  # how long stopped workers get between SIGTERM and SIGKILL
 _TAIL_LINES = 20
@@ -67,19 +68,10 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-try:  # looked up here, not in the forked child, where loading a library could deadlock
-    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):
-    _PRCTL = None  # not Linux: the launcher's own signal handling still stops workers
-
-
 def _die_with(launcher_pid: int):
     def pre_exec() -> None:
         """In the worker before exec: get SIGKILL when the launcher dies, so no worker outlives it."""
-        if _PRCTL is not None:
-            _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != launcher_pid:  # the launcher died before the line above took effect
-            os._exit(1)
+        die_with_parent(launcher_pid)
     return pre_exec
 
 

@@ -1,0 +1,273 @@
+"""shoal.multiprocessing: spawn's handling of failing children, and tensors shared with children through memory."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import shoal.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+_DEADLINE_S = 60.0
+_SPAWN = mp.get_context("spawn")
+
+
+def _join(context: mp.ProcessContext) -> None:
+    deadline = time.monotonic() + _DEADLINE_S
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"children {context.pids()} still running after {_DEADLINE_S:g} s")
+
+
+@pytest.fixture
+def contexts() -> Iterator[list[mp.ProcessContext]]:
+    """The tests' process contexts: whatever is still running at the end is killed."""
+    started: list[mp.ProcessContext] = []
+    yield started
+    for context in started:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+# --- spawn ---
+
+def _one_raises(index: int) -> None:
+    if index == 1:
+        raise ValueError(f"child {index} gave up")
+    time.sleep(600)
+
+
+def test_a_child_exception_reaches_the_parent_with_its_traceback_and_stops_the_others(contexts) -> None:
+    context = mp.spawn(_one_raises, nprocs=3, join=False)
+    contexts.append(context)
+    with pytest.raises(mp.ProcessRaisedException) as raised:
+        _join(context)
+    assert raised.value.error_index == 1 and raised.value.pid == context.pids()[1]
+    assert "ValueError: child 1 gave up" in str(raised.value) and "in _one_raises" in str(raised.value)
+    assert [p.exitcode for p in context.processes] == [-signal.SIGTERM, 1, -signal.SIGTERM]
+
+
+def _exits(index: int, code: int) -> None:
+    if index == 0:
+        sys.exit(code)
+
+
+def _killed(index: int) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fine(index: int, out: mp.Queue) -> None:
+    out.put(index)
+
+
+def test_exits_without_an_exception_are_named_with_their_code_or_signal() -> None:
+    with pytest.raises(mp.ProcessExitedException, match=r"process 0 .* exited with code 3") as exited:
+        mp.spawn(_exits, args=(3,), nprocs=2)
+    assert exited.value.exit_code == 3 and exited.value.signal_name is None
+    with pytest.raises(mp.ProcessExitedException, match="killed by SIGKILL") as killed:
+        mp.spawn(_killed, nprocs=1)
+    assert killed.value.signal_name == "SIGKILL"
+
+
+def test_spawn_runs_every_index_and_returns_when_all_are_done() -> None:
+    out = _SPAWN.SimpleQueue()
+    assert mp.spawn(_fine, args=(out,), nprocs=3) is None
+    assert sorted(out.get() for _ in range(3)) == [0, 1, 2]
+    with pytest.raises(ValueError, match="nprocs must be at least 1, got 0"):
+        mp.spawn(_fine, args=(out,), nprocs=0)
+
+
+def test_children_die_with_their_parent() -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import time, shoal.multiprocessing as mp\n"
+         "from tests.test_multiprocessing import _one_raises\n"
+         "context = mp.spawn(_one_raises, args=(), nprocs=1, join=False)\n"
+         "print(*context.pids(), flush=True)\n"
+         "time.sleep(600)\n"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        children = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(children) == 1
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while not all(_dead(pid) for pid in children):
+            assert time.monotonic() < deadline, f"children {children} outlived their parent"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait(10)
+
+
+# --- tensors in shared memory ---
+
+def _write_then_check(index: int, tensors: list[torch.Tensor], child_wrote, parent_wrote) -> None:
+    param = tensors[2]
+    assert isinstance(param, nn.Parameter) and param.requires_grad
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor[0] = 1.0
+    child_wrote.set()
+    if not parent_wrote.wait(_DEADLINE_S):
+        raise TimeoutError("the parent never wrote")
+    seen = [tensor[1].item() for tensor in tensors]
+    if seen != [2.0, 2.0, 2.0]:
+        raise AssertionError(f"the child sees {seen}, not the parent's writes")
+
+
+def test_writes_to_a_shared_tensor_are_seen_both_ways(contexts) -> None:
+    plain = torch.zeros(4)
+    view = plain[1:]  # taken before the tensor is shared: it must follow its storage into shared memory
+    shared = torch.zeros(4).share_memory_()
+    param = nn.Parameter(torch.zeros(3))
+    child_wrote, parent_wrote = _SPAWN.Event(), _SPAWN.Event()
+    context = mp.spawn(_write_then_check, args=([plain, shared, param], child_wrote, parent_wrote), join=False)
+    contexts.append(context)
+    assert child_wrote.wait(_DEADLINE_S)
+    assert [plain[0].item(), shared[0].item(), param[0].item()] == [1.0, 1.0, 1.0]
+    with torch.no_grad():
+        view[0] = 2.0
+        shared[1] = 2.0
+        param[1] = 2.0
+    parent_wrote.set()
+    _join(context)
+
+
+def _echo(index: int, inbox: mp.Queue, outbox) -> None:
+    """Take a list of tensors; add one to the first in place, send doubled copies of all back."""
+    tensors = inbox.get(timeout=_DEADLINE_S)
+    whole, tail = tensors[0], tensors[1]
+    tail[0] = 7.0  # a view of `whole` in the same message: still one storage here
+    whole.add_(1)
+    outbox.send([t * 2 if t.dtype != torch.bool else ~t for t in tensors])
+    outbox.recv()  # stay alive until the parent has the reply: its memory is passed by descriptor
+
+
+def test_tensors_through_a_queue_and_a_pipe_keep_values_dtypes_and_aliasing(contexts) -> None:
+    inbox = _SPAWN.Queue()
+    here, there = _SPAWN.Pipe()
+    whole = torch.arange(6, dtype=torch.float64)
+    tensors = [whole, whole[2:], torch.arange(12, dtype=torch.int32).reshape(3, 4).t(),
+               torch.tensor([True, False]), torch.randn(3).to(torch.bfloat16), torch.empty(0), torch.tensor(5.0)]
+    expected = [t.clone() for t in tensors]
+    context = mp.spawn(_echo, args=(inbox, there), join=False)
+    contexts.append(context)
+    inbox.put(tensors)
+    assert here.poll(_DEADLINE_S)
+    replies = here.recv()
+    here.send(None)
+    _join(context)
+    expected[0][2] = 7.0
+    expected[0] += 1
+    expected[1] = expected[0][2:]
+    assert torch.equal(whole, expected[0])  # the child's in-place writes, seen here
+    for reply, want in zip(replies, expected, strict=True):
+        assert reply.dtype == want.dtype and torch.equal(reply, want * 2 if want.dtype != torch.bool else ~want)
+
+
+def test_a_non_leaf_that_requires_grad_is_refused_by_name() -> None:
+    with pytest.raises(RuntimeError, match="requires grad and is not a leaf"):
+        ForkingPickler.dumps(torch.ones(2, requires_grad=True) * 2)
+
+
+def _send_many(index: int, out: mp.Queue, warmed, received, leftover: mp.Queue, count: int) -> None:
+    out.put(torch.zeros(16))
+    assert warmed.wait(_DEADLINE_S)
+    baseline = _fds()
+    for k in range(count):
+        out.put(torch.full((16,), float(k)))
+    assert received.wait(_DEADLINE_S)
+    # The last descriptor handed over is closed by multiprocessing's sharer thread just after the hand-over.
+    deadline = time.monotonic() + 5
+    while _fds() != baseline and time.monotonic() < deadline:
+        time.sleep(0.01)
+    leftover.put(_fds() - baseline)
+
+
+def test_open_descriptors_return_to_their_baseline_after_10000_tensors(contexts) -> None:
+    count = 10_000
+    out, leftover = _SPAWN.Queue(), _SPAWN.Queue()
+    warmed, received = _SPAWN.Event(), _SPAWN.Event()
+    context = mp.spawn(_send_many, args=(out, warmed, received, leftover, count), join=False)
+    contexts.append(context)
+    out.get(timeout=_DEADLINE_S)  # the warm-up tensor, dropped at once
+    baseline = _fds()
+    warmed.set()
+    total = 0.0
+    for _ in range(count):
+        total += out.get(timeout=_DEADLINE_S)[0].item()
+    received.set()
+    assert total == sum(range(count))
+    assert leftover.get(timeout=_DEADLINE_S) == 0, "descriptors left open in the sender"
+    assert _fds() == baseline, "descriptors left open in the receiver"
+    _join(context)
+
+
+def _send_forever(index: int, out: mp.Queue) -> None:
+    while True:
+        out.put(torch.randn(1000))
+
+
+def _memfd_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return len(re.findall("memfd:shoal-tensor", f.read()))
+
+
+def test_no_shared_memory_remains_after_children_are_killed_mid_transfer(contexts) -> None:
+    before = set(os.listdir("/dev/shm"))
+    out = _SPAWN.Queue()
+    context = mp.spawn(_send_forever, args=(out,), nprocs=2, join=False)
+    contexts.append(context)
+    received = [out.get(timeout=_DEADLINE_S) for _ in range(20)]
+    for pid in context.pids():
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(mp.ProcessExitedException, match="killed by SIGKILL"):
+        _join(context)
+    assert all(t.shape == (1000,) for t in received) and _memfd_mappings() > 0
+    del received, out  # the queue's own semaphores live in /dev/shm until it goes
+    gc.collect()
+    assert _memfd_mappings() == 0
+    assert set(os.listdir("/dev/shm")) <= before
+
+
+def test_only_the_descriptor_sharing_strategy_is_offered() -> None:
+    assert mp.get_all_sharing_strategies() == {"file_descriptor"} and mp.get_sharing_strategy() == "file_descriptor"
+    mp.set_sharing_strategy("file_descriptor")
+    with pytest.raises(ValueError, match="'file_system' is not offered"):
+        mp.set_sharing_strategy("file_system")
+
+
+def test_hogwild_example_trains_one_shared_model_as_well_as_a_single_process() -> None:
+    accuracies = []
+    for processes in ("1", "2"):
+        result = subprocess.run([sys.executable, str(ROOT / "examples" / "hogwild.py"), "--num-processes", processes,
+                                 "--epochs", "3"], capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        accuracies.append(float(re.search(r"test accuracy ([\d.]+)%", result.stdout).group(1)))
+    single, hogwild = accuracies
+    assert single > 50.0 and hogwild >= single - 2.0, accuracies
