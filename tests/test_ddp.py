@@ -251,3 +251,23 @@ def test_bucket_assignment_is_reverse_ordered_small_first_and_per_dtype() -> Non
     assert [2] in buckets and [0] in buckets
     assert sorted(i for b in buckets for i in b) == list(range(len(params)))
     assert assign_buckets(params, 1600, 800) == buckets
+
+
+def _torch_style_devices(rank: int, world: int) -> tuple[dict[str, torch.Tensor], str]:
+    from shoal.parallel import DistributedDataParallel
+
+    net = _model("mlp")
+    ddp = DistributedDataParallel(net, device_ids=None, output_device=None)  # torch's CPU form
+    x, y = _batch("mlp", rank, 0)
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    with pytest.raises(ValueError, match=r"device_ids \[0\] must name the one GPU") as refused:
+        DistributedDataParallel(_model("mlp"), device_ids=[0])
+    return {n: p.grad for n, p in net.named_parameters()}, str(refused.value)
+
+
+def test_torch_style_device_arguments_are_accepted_for_cpu_and_checked() -> None:
+    want = _reference_grads("mlp", 2, [0])
+    for grads, refusal in run_ranks(_torch_style_devices, 2).values():
+        assert "['cpu']" in refusal
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want[name], rtol=1e-12, atol=1e-12, msg=name)

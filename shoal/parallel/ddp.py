@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from shoal.comm.group import ProcessGroup
 from shoal.parallel.buckets import Bucket, assign_buckets
@@ -37,15 +38,18 @@ class DistributedDataParallel(nn.Module):
     back into `.grad`.
     """
 
-    def __init__(self, module: nn.Module, process_group: ProcessGroup | None = None, bucket_cap_mb: float = 25,
-                 find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 gradient_as_bucket_view: bool = False) -> None:
+    def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, dim: int = 0, broadcast_buffers: bool = True,
+                 process_group: ProcessGroup | None = None, bucket_cap_mb: float = 25,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         import shoal.distributed as dist
 
         self.module = module
+        self.device = _single_device(module, device_ids, output_device)
+        self.dim = dim  # kept for torch's interface: one device per replica leaves nothing to scatter
         self.process_group = process_group if process_group is not None else dist.default_group()
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
@@ -105,6 +109,8 @@ class DistributedDataParallel(nn.Module):
             # alone (no_grad) involves no collective.
             if self.broadcast_buffers and self.process_group.size > 1:
                 self._sync_from_rank0(list(self.module.buffers()))
+        if self.device is not None:  # as torch's DDP does for a module given its device: inputs follow it
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
         return self.module(*args, **kwargs)
 
     def _prepare_for_backward(self) -> None:
@@ -227,6 +233,25 @@ def _write_grad(param: torch.Tensor, result: torch.Tensor) -> None:
         param.grad = result.clone()
     elif param.grad.data_ptr() != result.data_ptr():  # not already the bucket's view
         param.grad.copy_(result)
+
+
+def _single_device(module: nn.Module, device_ids: list[int | torch.device] | None,
+                   output_device: int | torch.device | None) -> torch.device | None:
+    """The device named by torch's `device_ids`/`output_device`, checked against the module's, as torch checks them.
+
+    A CPU module takes neither (torch's CPU form passes None); a module on one GPU may name that
+    GPU, and then its inputs are moved there. One replica per process: a list of several devices is refused.
+    """
+    if device_ids is None:
+        if output_device is not None:
+            raise ValueError(f"output_device {output_device!r} given without device_ids")
+        return None
+    devices = {p.device for p in module.parameters()}
+    wanted = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in device_ids]
+    if len(wanted) != 1 or devices != {wanted[0]} or wanted[0].type == "cpu":
+        raise ValueError(f"device_ids {device_ids!r} must name the one GPU the module's parameters are on, "
+                         f"and be None for a CPU module; the parameters are on {sorted(map(str, devices))}")
+    return wanted[0]
 
 
 def _check_same_parameters(named: list[tuple[str, torch.Tensor]], group: ProcessGroup) -> None:

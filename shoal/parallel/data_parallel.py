@@ -1,0 +1,250 @@
+"""DataParallel: one process, one thread per replica. Each forward splits the batch, replicates the module,
+runs the replicas side by side and gathers their outputs; backward runs the replicas side by side too.
+
+    model = DataParallel(net)                   # as many replicas as this process has cores
+    model = DataParallel(net, replicas=2)       # or say how many
+    loss_fn(model(x), y).backward()             # net's .grad: as if net had seen the whole batch
+
+On CPU a replica is cheap: it shares the module's parameter memory, and only its leaves are its own,
+so each replica's gradients can be computed apart from the others' and summed into the parameters.
+PyTorch's nn.DataParallel on CPU runs the module once, on one thread; on GPUs it runs the replicas'
+backward in the autograd engine's per-device threads. Here the replicas' backward is run by one
+thread per replica on any device, which is what lets a CPU-only DataParallel use several cores.
+Torch operations release the GIL, so replicas overlap inside large operators; Python code between
+operators does not overlap, which is why DistributedDataParallel's processes win on small layers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class DataParallel(nn.Module):
+    """torch.nn.DataParallel's interface. `device_ids=None` means CPU replicas, `replicas` of them
+    (default: the cores this process may run on); a list of GPU ids means one replica per GPU."""
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, dim: int = 0, *, replicas: int | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.dim = dim
+        if device_ids is None:
+            count = replicas if replicas is not None else len(os.sched_getaffinity(0))
+            if count < 1:
+                raise ValueError(f"replicas must be at least 1, got {count}")
+            self.devices = [torch.device("cpu")] * count
+        else:
+            if replicas is not None:
+                raise ValueError(f"give device_ids ({device_ids!r}) or replicas ({replicas}), not both")
+            self.devices = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in device_ids]
+            if not self.devices:
+                raise ValueError("device_ids is empty")
+        self.output_device = self.devices[0] if output_device is None else (
+            torch.device("cuda", output_device) if isinstance(output_device, int) else torch.device(output_device))
+        self._pool: ThreadPoolExecutor | None = None
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        flat, spec = tree_flatten((inputs, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        pieces = {i: flat[i].chunk(len(self.devices), self.dim) for i in positions}
+        counts = {len(p) for p in pieces.values()}
+        if len(counts) > 1:  # torch would drop the longer inputs' last pieces without a word
+            raise ValueError(f"DataParallel splits every tensor argument along dim {self.dim} into the same number "
+                             f"of pieces; these sizes give different numbers: "
+                             f"{[tuple(flat[i].shape) for i in positions]}")
+        count = counts.pop() if counts else 1
+        if count == 1:  # one replica's worth of work (or no batch to split): no threads needed
+            return self.module(*inputs, **kwargs)
+        step = _Step(self, flat, spec, pieces, count)
+        params = list(self.module.parameters())
+        tensors = [flat[i] for i in positions]
+        needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in [*tensors, *params])
+        if not needs_graph:
+            return tree_unflatten(step.run(build_graph=False), step.out_spec)
+        outputs = _Replicated.apply(step, len(tensors), *tensors, *params)
+        return tree_unflatten(list(outputs), step.out_spec)
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=len(self.devices), thread_name_prefix="shoal-dp")
+        return self._pool
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_pool"] = None  # threads do not travel; a copy starts its own
+        return state
+
+
+class _Step:
+    """One forward of a DataParallel: the replicas' inputs, their outputs and the graphs between them."""
+
+    def __init__(self, owner: DataParallel, flat: list, spec: Any, pieces: dict[int, tuple[torch.Tensor, ...]],
+                 count: int) -> None:
+        self.owner = owner
+        self.devices = owner.devices[:count]
+        self.flat, self.spec, self.pieces = flat, spec, pieces
+        self.out_spec: Any = None
+        self.leaves: list[list[torch.Tensor | None]] = []  # per replica: its input pieces, then its parameters
+        self.outputs: list[list[Any]] = []  # per replica: its flat outputs
+
+    def run(self, build_graph: bool) -> list:
+        """Run every replica on its piece of the batch; return the gathered flat outputs."""
+        params = list(self.owner.module.parameters())
+        jobs = [self._replica_job(r, device, params, build_graph) for r, device in enumerate(self.devices)]
+        results = _in_parallel(self.owner._threads(), jobs)
+        self.leaves = [leaves for leaves, _ in results]
+        specs = []
+        for _, (outputs, out_spec) in results:
+            self.outputs.append(outputs)
+            specs.append(out_spec)
+        self.out_spec = specs[0]
+        return [self._gather(j) for j in range(len(self.outputs[0]))]
+
+    def _replica_job(self, r: int, device: torch.device, params: list[nn.Parameter],
+                     build_graph: bool) -> Callable[[], tuple]:
+        def job() -> tuple:
+            inputs = {i: _leaf(p[r], device) for i, p in self.pieces.items()}
+            aliases = {p: _leaf(p, device) for p in params}
+            replica = _replicate(self.owner.module, aliases, device, share_buffers=r == 0 or not self.owner.training)
+            args, kwargs = tree_unflatten([inputs.get(i, x) for i, x in enumerate(self.flat)], self.spec)
+            with torch.set_grad_enabled(build_graph), _on(device):
+                outputs, out_spec = tree_flatten(replica(*args, **kwargs))
+            return [*inputs.values(), *(aliases[p] for p in params)], (outputs, out_spec)
+        return job
+
+    def _gather(self, j: int) -> torch.Tensor | None:
+        parts = [outputs[j] for outputs in self.outputs]
+        if all(part is None for part in parts):
+            return None
+        if not all(isinstance(part, torch.Tensor) for part in parts):
+            raise TypeError(f"DataParallel gathers tensors (or None) only; replica outputs were "
+                            f"{[type(part).__name__ for part in parts]}")
+        parts = [part.detach().to(self.owner.output_device) for part in parts]
+        if parts[0].dim() == 0:  # a scalar per replica (a loss computed inside the module): a vector of them
+            return torch.stack(parts)
+        return torch.cat(parts, self.owner.dim)
+
+    def backward(self, grads: Sequence[torch.Tensor | None], inputs: int) -> list[torch.Tensor | None]:
+        """The gradients of the step's inputs (`inputs` of them) and the module's parameters."""
+        jobs = [self._replica_backward(r, grads) for r in range(len(self.devices))]
+        per_replica = _in_parallel(self.owner._threads(), jobs)
+        self.leaves, self.outputs = [], []  # the graphs are spent
+        input_grads = [self._join_pieces(k, [g[k] for g in per_replica]) for k in range(inputs)]
+        params = list(self.owner.module.parameters())
+        param_grads = [_sum([g[inputs + k] for g in per_replica], p.device) for k, p in enumerate(params)]
+        return [*input_grads, *param_grads]
+
+    def _replica_backward(self, r: int, grads: Sequence[torch.Tensor | None]) -> Callable[[], list]:
+        def job() -> list:
+            roots, root_grads = [], []
+            for j, (output, grad) in enumerate(zip(self.outputs[r], grads, strict=True)):
+                if grad is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                    continue
+                roots.append(output)
+                root_grads.append(self._piece_of(grad, j, r).to(output.device))
+            leaves = [leaf for leaf in self.leaves[r] if leaf is not None and leaf.requires_grad]
+            if not roots or not leaves:
+                return [None] * len(self.leaves[r])
+            with _on(self.devices[r]):
+                found = iter(torch.autograd.grad(roots, leaves, root_grads, allow_unused=True))
+            return [next(found) if leaf is not None and leaf.requires_grad else None for leaf in self.leaves[r]]
+        return job
+
+    def _piece_of(self, grad: torch.Tensor, j: int, r: int) -> torch.Tensor:
+        if self.outputs[r][j].dim() == 0:
+            return grad[r]
+        start = sum(outputs[j].shape[self.owner.dim] for outputs in self.outputs[:r])
+        return grad.narrow(self.owner.dim, start, self.outputs[r][j].shape[self.owner.dim])
+
+    def _join_pieces(self, k: int, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+        if all(g is None for g in grads):
+            return None
+        position = list(self.pieces)[k]
+        whole = self.flat[position]
+        pieces = self.pieces[position]
+        return torch.cat([torch.zeros_like(p) if g is None else g.to(whole.device)
+                          for p, g in zip(pieces, grads, strict=True)], self.owner.dim)
+
+
+class _Replicated(torch.autograd.Function):
+    """The replicas as one node of the caller's graph: its backward runs theirs, one thread each."""
+
+    @staticmethod
+    def forward(ctx: Any, step: _Step, inputs: int, *tensors: torch.Tensor) -> tuple:
+        ctx.step, ctx.inputs = step, inputs
+        ctx.set_materialize_grads(False)
+        outputs = step.run(build_graph=True)
+        ctx.mark_non_differentiable(*[o for o in outputs if o is not None and not o.is_floating_point()
+                                      and not o.is_complex()])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        return (None, None, *ctx.step.backward(grads, ctx.inputs))
+
+
+def _leaf(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A replica's own leaf over `tensor`'s data (no copy on the same device), so its gradient is its own."""
+    return tensor.detach().to(device).requires_grad_(tensor.requires_grad)
+
+
+def _replicate(module: nn.Module, aliases: dict[nn.Parameter, torch.Tensor], device: torch.device,
+               share_buffers: bool) -> nn.Module:
+    """A shallow copy of the module tree whose parameters are `aliases`; buffers shared or copied.
+
+    Shared buffers see in-place updates (BatchNorm's running statistics); the first replica shares
+    them, like the replica on torch's first device, and the others' updates are dropped, as in torch.
+    """
+    copies: dict[nn.Module, nn.Module] = {m: m._replicate_for_data_parallel() for m in module.modules()}
+    for original, replica in copies.items():
+        for name, param in original._parameters.items():
+            setattr(replica, name, None if param is None else aliases[param])
+        for name, buffer in original._buffers.items():
+            if buffer is not None and (not share_buffers or buffer.device != device):
+                replica._buffers[name] = buffer.to(device, copy=True)
+        for name, child in original._modules.items():
+            replica._modules[name] = None if child is None else copies[child]
+    return copies[module]
+
+
+def _sum(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor | None:
+    present = [g.to(device) for g in grads if g is not None]
+    if not present:
+        return None
+    total = present[0].clone() if len(present) > 1 else present[0]
+    for g in present[1:]:
+        total += g
+    return total
+
+
+def _on(device: torch.device) -> Any:
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def _in_parallel(pool: ThreadPoolExecutor, jobs: list[Callable[[], Any]]) -> list:
+    """Run the jobs on the pool (the first on this thread) and return their results; a failure is
+    raised once all have finished, the lowest replica's first."""
+    futures = [pool.submit(job) for job in jobs[1:]]
+    errors: list[BaseException] = []
+    results = []
+    try:
+        results.append(jobs[0]())
+    except BaseException as exc:
+        errors.append(exc)
+        results.append(None)
+    for future in futures:
+        try:
+            results.append(future.result())
+        except BaseException as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return results
