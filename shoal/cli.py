@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("allreduce", "autograd", "ddp", "pipeline", "recovery", "rpc")
-_MODULES = {"autograd": "dist_autograd"}  # benchmarks whose file in benchmarks/ is not NAME.py
+BENCHMARKS = ("allreduce", "autograd", "ddp", "dp", "pipeline", "recovery", "rpc")
+_MODULES = {"autograd": "dist_autograd", "dp": "dp_vs_ddp"}  # benchmarks whose file in benchmarks/ is not NAME.py
 
 
 def _bench(name: str, args: list[str]) -> None:

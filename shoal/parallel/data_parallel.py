@@ -17,14 +17,20 @@ operators does not overlap, which is why DistributedDataParallel's processes win
 from __future__ import annotations
 
 import os
+import queue
+import threading
+import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+# With OpenMP (Linux builds), torch.set_num_threads sets the calling thread's own count of intra-op threads.
+_PER_THREAD_INTRA_OP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 class DataParallel(nn.Module):
@@ -49,7 +55,7 @@ class DataParallel(nn.Module):
                 raise ValueError("device_ids is empty")
         self.output_device = self.devices[0] if output_device is None else (
             torch.device("cuda", output_device) if isinstance(output_device, int) else torch.device(output_device))
-        self._pool: ThreadPoolExecutor | None = None
+        self._threads: _ReplicaThreads | None = None
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         flat, spec = tree_flatten((inputs, kwargs))
@@ -72,14 +78,14 @@ class DataParallel(nn.Module):
         outputs = _Replicated.apply(step, len(tensors), *tensors, *params)
         return tree_unflatten(list(outputs), step.out_spec)
 
-    def _threads(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=len(self.devices), thread_name_prefix="shoal-dp")
-        return self._pool
+    def _run(self, jobs: list[Callable[[], Any]]) -> list:
+        if self._threads is None:  # started at first use, so a model built and never run starts none
+            self._threads = _ReplicaThreads(len(self.devices))
+        return self._threads.run(jobs)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        state["_pool"] = None  # threads do not travel; a copy starts its own
+        state["_threads"] = None  # threads do not travel; a copy starts its own
         return state
 
 
@@ -99,7 +105,7 @@ class _Step:
         """Run every replica on its piece of the batch; return the gathered flat outputs."""
         params = list(self.owner.module.parameters())
         jobs = [self._replica_job(r, device, params, build_graph) for r, device in enumerate(self.devices)]
-        results = _in_parallel(self.owner._threads(), jobs)
+        results = self.owner._run(jobs)
         self.leaves = [leaves for leaves, _ in results]
         specs = []
         for _, (outputs, out_spec) in results:
@@ -135,11 +141,20 @@ class _Step:
     def backward(self, grads: Sequence[torch.Tensor | None], inputs: int) -> list[torch.Tensor | None]:
         """The gradients of the step's inputs (`inputs` of them) and the module's parameters."""
         jobs = [self._replica_backward(r, grads) for r in range(len(self.devices))]
-        per_replica = _in_parallel(self.owner._threads(), jobs)
+        per_replica = self.owner._run(jobs)
         self.leaves, self.outputs = [], []  # the graphs are spent
         input_grads = [self._join_pieces(k, [g[k] for g in per_replica]) for k in range(inputs)]
         params = list(self.owner.module.parameters())
-        param_grads = [_sum([g[inputs + k] for g in per_replica], p.device) for k, p in enumerate(params)]
+        param_grads: list[torch.Tensor | None] = [None] * len(params)
+
+        def summer(share: list[int]) -> Callable[[], None]:
+            def job() -> None:
+                for k in share:
+                    param_grads[k] = _sum([g[inputs + k] for g in per_replica], params[k].device)
+            return job
+
+        # Summing the replicas' gradients is a pass over every parameter: the threads share it out.
+        self.owner._run([summer(share) for share in _shares(params, len(per_replica))])
         return [*input_grads, *param_grads]
 
     def _replica_backward(self, r: int, grads: Sequence[torch.Tensor | None]) -> Callable[[], list]:
@@ -219,32 +234,71 @@ def _sum(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor
     present = [g.to(device) for g in grads if g is not None]
     if not present:
         return None
-    total = present[0].clone() if len(present) > 1 else present[0]
+    total = present[0]  # a fresh tensor from autograd.grad, ours to add into
     for g in present[1:]:
         total += g
     return total
+
+
+def _shares(params: list[nn.Parameter], count: int) -> list[list[int]]:
+    """The parameters' indices dealt into `count` shares of about equal size, largest first."""
+    shares: list[list[int]] = [[] for _ in range(count)]
+    sizes = [0] * count
+    for k in sorted(range(len(params)), key=lambda k: -params[k].numel()):
+        smallest = sizes.index(min(sizes))
+        shares[smallest].append(k)
+        sizes[smallest] += params[k].numel()
+    return shares
 
 
 def _on(device: torch.device) -> Any:
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
-def _in_parallel(pool: ThreadPoolExecutor, jobs: list[Callable[[], Any]]) -> list:
-    """Run the jobs on the pool (the first on this thread) and return their results; a failure is
-    raised once all have finished, the lowest replica's first."""
-    futures = [pool.submit(job) for job in jobs[1:]]
-    errors: list[BaseException] = []
-    results = []
-    try:
-        results.append(jobs[0]())
-    except BaseException as exc:
-        errors.append(exc)
-        results.append(None)
-    for future in futures:
+class _ReplicaThreads:
+    """One thread per replica, each with its own inbox: a pool could hand several replicas to one thread."""
+
+    def __init__(self, count: int) -> None:
+        self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(count)]
+        threads = [threading.Thread(target=_serve, args=(inbox,), name=f"shoal-dp-replica-{i}", daemon=True)
+                   for i, inbox in enumerate(self._inboxes)]
+        for thread in threads:
+            thread.start()
+        # Also at exit: a daemon thread still alive when the interpreter tears down can abort the process.
+        weakref.finalize(self, _stop, self._inboxes, threads)
+
+    def run(self, jobs: list[Callable[[], Any]]) -> list:
+        """Run job i on thread i and return the results; a failure is raised once all have finished,
+        the lowest replica's first.
+
+        Each thread gets its share of the caller's intra-op threads, so replicas do not oversubscribe
+        the cores (on OpenMP builds, where that setting belongs to the thread).
+        """
+        share = max(1, torch.get_num_threads() // len(jobs)) if _PER_THREAD_INTRA_OP else None
+        futures: list[Future] = []
+        for inbox, job in zip(self._inboxes, jobs, strict=False):  # fewer jobs than threads: a short batch
+            futures.append(Future())
+            inbox.put((job, share, futures[-1]))
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        return [f.result() for f in futures]
+
+
+def _serve(inbox: queue.SimpleQueue) -> None:
+    while (work := inbox.get()) is not None:
+        job, share, future = work
+        if share is not None:
+            torch.set_num_threads(share)
         try:
-            results.append(future.result())
+            future.set_result(job())
         except BaseException as exc:
-            errors.append(exc)
-    if errors:
-        raise errors[0]
-    return results
+            future.set_exception(exc)
+
+
+def _stop(inboxes: list[queue.SimpleQueue], threads: list[threading.Thread]) -> None:
+    for inbox in inboxes:
+        inbox.put(None)
+    for thread in threads:
+        if thread is not threading.current_thread():
+            thread.join()
