@@ -14,9 +14,10 @@ except (OSError, AttributeError):
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel for SIGKILL when the parent dies; exit at once if it already has."""
+def die_with_parent(parent_pid: int | None) -> None:
+    """Ask the kernel for SIGKILL when the parent dies; exit at once if it already has (when its pid is
+    known: a forkserver's children have the server, not the process that asked for them, as parent)."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before the line above
         os._exit(1)

@@ -95,9 +95,10 @@ def test_exits_without_an_exception_are_named_with_their_code_or_signal() -> Non
     assert killed.value.signal_name == "SIGKILL"
 
 
-def test_spawn_runs_every_index_and_returns_when_all_are_done() -> None:
-    out = _SPAWN.SimpleQueue()
-    assert mp.spawn(_fine, args=(out,), nprocs=3) is None
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_spawn_runs_every_index_and_returns_when_all_are_done(start_method: str) -> None:
+    out = mp.get_context(start_method).SimpleQueue()
+    assert mp.spawn(_fine, args=(out,), nprocs=3, start_method=start_method) is None
     assert sorted(out.get() for _ in range(3)) == [0, 1, 2]
     with pytest.raises(ValueError, match="nprocs must be at least 1, got 0"):
         mp.spawn(_fine, args=(out,), nprocs=0)
@@ -162,7 +163,8 @@ def _echo(index: int, inbox: mp.Queue, outbox) -> None:
     """Take a list of tensors; add one to the first in place, send doubled copies of all back."""
     tensors = inbox.get(timeout=_DEADLINE_S)
     whole, tail = tensors[0], tensors[1]
-    tail[0] = 7.0  # a view of `whole` in the same message: still one storage here
+    assert tail.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()  # one storage still
+    tail[0] = 7.0
     whole.add_(1)
     outbox.send([t * 2 if t.dtype != torch.bool else ~t for t in tensors])
     outbox.recv()  # stay alive until the parent has the reply: its memory is passed by descriptor
@@ -188,6 +190,17 @@ def test_tensors_through_a_queue_and_a_pipe_keep_values_dtypes_and_aliasing(cont
     assert torch.equal(whole, expected[0])  # the child's in-place writes, seen here
     for reply, want in zip(replies, expected, strict=True):
         assert reply.dtype == want.dtype and torch.equal(reply, want * 2 if want.dtype != torch.bool else ~want)
+
+
+def test_a_storage_sent_from_two_threads_at_once_moves_to_shared_memory_once() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shoal.multiprocessing.reductions import _descriptor
+
+    for _ in range(20):
+        storage = torch.zeros(1 << 20).untyped_storage()
+        with ThreadPoolExecutor(2) as pool:
+            assert len(set(pool.map(_descriptor, [storage, storage]))) == 1
 
 
 def test_a_non_leaf_that_requires_grad_is_refused_by_name() -> None:

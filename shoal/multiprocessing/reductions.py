@@ -11,12 +11,13 @@ by SIGKILL in the middle of a transfer, the memory is gone and nothing is left i
 Storages torch itself has already put in shared memory (`tensor.share_memory_()`,
 `module.share_memory()`) are sent by the descriptor torch keeps for them, so processes that map
 them already stay in step. Tensors this file does not handle (CUDA, sparse, quantized, conjugate
-views, subclasses) go through torch.multiprocessing's reducers.
+views) go through torch.multiprocessing's reducers.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from torch.multiprocessing import reductions as torch_reductions
 
 _FD = "_shoal_memfd"  # attribute of a storage this process maps from a memfd: the file's descriptor
+_moving = threading.Lock()
 
 
 def _map(fd: int, nbytes: int) -> torch.UntypedStorage:
@@ -40,6 +42,11 @@ def _own(storage: torch.UntypedStorage, fd: int) -> torch.UntypedStorage:
 
 def _descriptor(storage: torch.UntypedStorage) -> int:
     """The descriptor of the shared memory behind `storage`, moving it there first if it is private."""
+    with _moving:  # queues pickle on threads of their own: one storage sent to two must move once
+        return _descriptor_locked(storage)
+
+
+def _descriptor_locked(storage: torch.UntypedStorage) -> int:
     fd = getattr(storage, _FD, None)
     if fd is not None:
         return fd
@@ -79,8 +86,7 @@ def _rebuild_tensor(cls: type, storage: torch.UntypedStorage, dtype: torch.dtype
 
 
 def reduce_tensor(tensor: torch.Tensor) -> tuple:
-    plain = type(tensor) in (torch.Tensor, torch.nn.Parameter)
-    if (not plain or tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized
+    if (tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized
             or tensor.is_conj() or tensor.is_neg()):
         return torch_reductions.reduce_tensor(tensor)
     if tensor.requires_grad and not tensor.is_leaf:

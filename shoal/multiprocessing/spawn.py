@@ -52,7 +52,7 @@ class ProcessExitedException(ProcessException):
         return type(self), (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name)
 
 
-def _run(fn: Callable, index: int, args: tuple, error_file: str, parent_pid: int) -> None:
+def _run(fn: Callable, index: int, args: tuple, error_file: str, parent_pid: int | None) -> None:
     """The child's entry point: run fn(index, *args); if it raises, leave the traceback for the parent."""
     die_with_parent(parent_pid)
     try:
@@ -147,10 +147,12 @@ def start_processes(fn: Callable, args: tuple = (), nprocs: int = 1, join: bool 
         raise ValueError(f"nprocs must be at least 1, got {nprocs}")
     context = multiprocessing.get_context(start_method)
     error_dir = tempfile.mkdtemp(prefix="shoal-spawn-")
+    # A forkserver's children die with the server, which exits when this process does.
+    parent_pid = None if start_method == "forkserver" else os.getpid()
     processes = []
     try:
         for index in range(nprocs):
-            process = context.Process(target=_run, args=(fn, index, args, _error_file(error_dir, index), os.getpid()),
+            process = context.Process(target=_run, args=(fn, index, args, _error_file(error_dir, index), parent_pid),
                                       daemon=daemon)
             process.start()
             processes.append(process)

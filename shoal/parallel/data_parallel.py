@@ -9,7 +9,8 @@ On CPU a replica is cheap: it shares the module's parameter memory, and only its
 so each replica's gradients can be computed apart from the others' and summed into the parameters.
 PyTorch's nn.DataParallel on CPU runs the module once, on one thread; on GPUs it runs the replicas'
 backward in the autograd engine's per-device threads. Here the replicas' backward is run by one
-thread per replica on any device, which is what lets a CPU-only DataParallel use several cores.
+thread per replica too, which is what lets a CPU DataParallel use several cores. Replicas are CPU
+threads only: on GPUs, DistributedDataParallel (one process per GPU) is the tool.
 Torch operations release the GIL, so replicas overlap inside large operators; Python code between
 operators does not overlap, which is why DistributedDataParallel's processes win on small layers.
 """
@@ -22,39 +23,35 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 # With OpenMP (Linux builds), torch.set_num_threads sets the calling thread's own count of intra-op threads.
-_PER_THREAD_INTRA_OP = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+_PER_THREAD_INTRA_OP = torch.backends.openmp.is_available()
 
 
 class DataParallel(nn.Module):
-    """torch.nn.DataParallel's interface. `device_ids=None` means CPU replicas, `replicas` of them
-    (default: the cores this process may run on); a list of GPU ids means one replica per GPU."""
+    """torch.nn.DataParallel's interface, for CPU replicas: `replicas` of them (default: the cores this
+    process may run on); `device_ids` and `output_device` may only be None (or "cpu")."""
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0, *, replicas: int | None = None) -> None:
         super().__init__()
         self.module = module
         self.dim = dim
-        if device_ids is None:
-            count = replicas if replicas is not None else len(os.sched_getaffinity(0))
-            if count < 1:
-                raise ValueError(f"replicas must be at least 1, got {count}")
-            self.devices = [torch.device("cpu")] * count
-        else:
-            if replicas is not None:
-                raise ValueError(f"give device_ids ({device_ids!r}) or replicas ({replicas}), not both")
-            self.devices = [torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in device_ids]
-            if not self.devices:
-                raise ValueError("device_ids is empty")
-        self.output_device = self.devices[0] if output_device is None else (
-            torch.device("cuda", output_device) if isinstance(output_device, int) else torch.device(output_device))
+        if device_ids is not None or output_device not in (None, "cpu", torch.device("cpu")):
+            raise ValueError(f"shoal's DataParallel runs its replicas on CPU threads (device_ids=None, replicas=N), "
+                             f"got device_ids={device_ids!r}, output_device={output_device!r}; on GPUs use "
+                             f"DistributedDataParallel, one process per GPU")
+        count = replicas if replicas is not None else len(os.sched_getaffinity(0))
+        if count < 1:
+            raise ValueError(f"replicas must be at least 1, got {count}")
+        self.devices = [torch.device("cpu")] * count
+        self.output_device = torch.device("cpu")
         self._threads: _ReplicaThreads | None = None
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -98,7 +95,7 @@ class _Step:
         self.devices = owner.devices[:count]
         self.flat, self.spec, self.pieces = flat, spec, pieces
         self.out_spec: Any = None
-        self.leaves: list[list[torch.Tensor | None]] = []  # per replica: its input pieces, then its parameters
+        self.leaves: list[list[torch.Tensor]] = []  # per replica: its input pieces, then its parameters
         self.outputs: list[list[Any]] = []  # per replica: its flat outputs
 
     def run(self, build_graph: bool) -> list:
@@ -121,17 +118,18 @@ class _Step:
             aliases = {p: _leaf(p, device) for p in params}
             replica = _replicate(self.owner.module, aliases, device, share_buffers=r == 0 or not self.owner.training)
             args, kwargs = tree_unflatten([inputs.get(i, x) for i, x in enumerate(self.flat)], self.spec)
-            with torch.set_grad_enabled(build_graph), _on(device):
+            with torch.set_grad_enabled(build_graph):
                 outputs, out_spec = tree_flatten(replica(*args, **kwargs))
             return [*inputs.values(), *(aliases[p] for p in params)], (outputs, out_spec)
         return job
 
-    def _gather(self, j: int) -> torch.Tensor | None:
+    def differentiable(self, j: int) -> bool:
+        return any(outputs[j].requires_grad for outputs in self.outputs)
+
+    def _gather(self, j: int) -> torch.Tensor:
         parts = [outputs[j] for outputs in self.outputs]
-        if all(part is None for part in parts):
-            return None
         if not all(isinstance(part, torch.Tensor) for part in parts):
-            raise TypeError(f"DataParallel gathers tensors (or None) only; replica outputs were "
+            raise TypeError(f"DataParallel gathers tensors (in tuples, lists, dicts) only; replica outputs were "
                             f"{[type(part).__name__ for part in parts]}")
         parts = [part.detach().to(self.owner.output_device) for part in parts]
         if parts[0].dim() == 0:  # a scalar per replica (a loss computed inside the module): a vector of them
@@ -142,7 +140,6 @@ class _Step:
         """The gradients of the step's inputs (`inputs` of them) and the module's parameters."""
         jobs = [self._replica_backward(r, grads) for r in range(len(self.devices))]
         per_replica = self.owner._run(jobs)
-        self.leaves, self.outputs = [], []  # the graphs are spent
         input_grads = [self._join_pieces(k, [g[k] for g in per_replica]) for k in range(inputs)]
         params = list(self.owner.module.parameters())
         param_grads: list[torch.Tensor | None] = [None] * len(params)
@@ -165,12 +162,12 @@ class _Step:
                     continue
                 roots.append(output)
                 root_grads.append(self._piece_of(grad, j, r).to(output.device))
-            leaves = [leaf for leaf in self.leaves[r] if leaf is not None and leaf.requires_grad]
+            leaves = [leaf for leaf in self.leaves[r] if leaf.requires_grad]
             if not roots or not leaves:
                 return [None] * len(self.leaves[r])
-            with _on(self.devices[r]):
-                found = iter(torch.autograd.grad(roots, leaves, root_grads, allow_unused=True))
-            return [next(found) if leaf is not None and leaf.requires_grad else None for leaf in self.leaves[r]]
+            # Kept for a second backward through the same outputs; freed with the caller's graph.
+            found = iter(torch.autograd.grad(roots, leaves, root_grads, allow_unused=True, retain_graph=True))
+            return [next(found) if leaf.requires_grad else None for leaf in self.leaves[r]]
         return job
 
     def _piece_of(self, grad: torch.Tensor, j: int, r: int) -> torch.Tensor:
@@ -197,11 +194,11 @@ class _Replicated(torch.autograd.Function):
         ctx.step, ctx.inputs = step, inputs
         ctx.set_materialize_grads(False)
         outputs = step.run(build_graph=True)
-        ctx.mark_non_differentiable(*[o for o in outputs if o is not None and not o.is_floating_point()
-                                      and not o.is_complex()])
+        ctx.mark_non_differentiable(*[o for j, o in enumerate(outputs) if not step.differentiable(j)])
         return tuple(outputs)
 
     @staticmethod
+    @once_differentiable  # the replicas' graphs end at their own leaves: no double backward through them
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         return (None, None, *ctx.step.backward(grads, ctx.inputs))
 
@@ -234,8 +231,10 @@ def _sum(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor
     present = [g.to(device) for g in grads if g is not None]
     if not present:
         return None
-    total = present[0]  # a fresh tensor from autograd.grad, ours to add into
-    for g in present[1:]:
+    if len(present) == 1:
+        return present[0]
+    total = present[0] + present[1]  # a new tensor: a gradient may be a view of the one flowing in
+    for g in present[2:]:
         total += g
     return total
 
@@ -249,10 +248,6 @@ def _shares(params: list[nn.Parameter], count: int) -> list[list[int]]:
         shares[smallest].append(k)
         sizes[smallest] += params[k].numel()
     return shares
-
-
-def _on(device: torch.device) -> Any:
-    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 class _ReplicaThreads:
@@ -274,11 +269,12 @@ class _ReplicaThreads:
         Each thread gets its share of the caller's intra-op threads, so replicas do not oversubscribe
         the cores (on OpenMP builds, where that setting belongs to the thread).
         """
-        share = max(1, torch.get_num_threads() // len(jobs)) if _PER_THREAD_INTRA_OP else None
+        callers = torch.get_num_threads()
+        counts = (max(1, callers // len(jobs)), callers) if _PER_THREAD_INTRA_OP else None
         futures: list[Future] = []
         for inbox, job in zip(self._inboxes, jobs, strict=False):  # fewer jobs than threads: a short batch
             futures.append(Future())
-            inbox.put((job, share, futures[-1]))
+            inbox.put((job, counts, futures[-1]))
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             raise errors[0]
@@ -287,13 +283,16 @@ class _ReplicaThreads:
 
 def _serve(inbox: queue.SimpleQueue) -> None:
     while (work := inbox.get()) is not None:
-        job, share, future = work
-        if share is not None:
-            torch.set_num_threads(share)
+        job, counts, future = work
+        if counts is not None:
+            torch.set_num_threads(counts[0])
         try:
             future.set_result(job())
         except BaseException as exc:
             future.set_exception(exc)
+        finally:
+            if counts is not None:  # the count is also the default for threads started later: put it back
+                torch.set_num_threads(counts[1])
 
 
 def _stop(inboxes: list[queue.SimpleQueue], threads: list[threading.Thread]) -> None:
