@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
+from benchmarks._steps import train_steps
 
 MODELS = ("mlp-10M", "digits-cnn")
 
@@ -44,23 +45,6 @@ def _model_and_batch(name: str, rank: int):
     return model, batch
 
 
-def _median_step(model, batch, steps: int, barrier) -> float:
-    import torch
-    from torch import nn
-
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    for i in range(steps + 3):
-        barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
-        optimizer.step()
-        if i >= 3:  # warm-up steps build buffers and caches
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _worker(rank: int, ports: tuple[int, int], steps: int, results) -> None:
     import torch
     import torch.distributed as tdist
@@ -82,16 +66,15 @@ def _worker(rank: int, ports: tuple[int, int], steps: int, results) -> None:
         row = {"model": name}
         model, batch = _model_and_batch(name, rank)
         row["params"] = sum(p.numel() for p in model.parameters())
-        row["compute"] = _median_step(model, batch, steps, tdist.barrier)
+        row["compute"] = train_steps(model, batch, steps, tdist.barrier).median
         flat = torch.zeros(row["params"])
         for label, group in (("gloo", gloo), ("shoal", native)):
             row[f"comm {label}"] = _median_step_comm(lambda g=group, t=flat: g.all_reduce(t).wait(), steps,
                                                      tdist.barrier)
-        row["torch DDP (gloo)"] = _median_step(TorchDDP(_model_and_batch(name, rank)[0]), batch, steps, tdist.barrier)
-        row["shoal DDP (gloo)"] = _median_step(ShoalDDP(_model_and_batch(name, rank)[0], process_group=gloo), batch,
-                                               steps, tdist.barrier)
-        row["shoal DDP (shoal)"] = _median_step(ShoalDDP(_model_and_batch(name, rank)[0], process_group=native),
-                                                batch, steps, tdist.barrier)
+        for label, ddp in (("torch DDP (gloo)", TorchDDP(_model_and_batch(name, rank)[0])),
+                           ("shoal DDP (gloo)", ShoalDDP(_model_and_batch(name, rank)[0], process_group=gloo)),
+                           ("shoal DDP (shoal)", ShoalDDP(_model_and_batch(name, rank)[0], process_group=native))):
+            row[label] = train_steps(ddp, batch, steps, tdist.barrier).median
         seconds = torch.tensor([row[k] for k in row if isinstance(row[k], float)], dtype=torch.float64)
         tdist.all_reduce(seconds, op=tdist.ReduceOp.MAX)  # the slower rank sets the pace
         for key, value in zip([k for k in row if isinstance(row[k], float)], seconds.tolist(), strict=True):

@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
+from benchmarks._steps import train_steps
 
 MODELS = {  # name: (global batch, what it stresses)
     "small-layers": (64, "48 Linear(32, 32) + ReLU: time goes to Python and per-operator overhead"),
@@ -30,7 +30,6 @@ MODELS = {  # name: (global batch, what it stresses)
 }
 IN_PROCESS = ("one process", "shoal DataParallel", "torch DataParallel")
 DISTRIBUTED = ("shoal DDP", "torch DDP")
-WARMUP = 3
 
 
 def _model(name: str):
@@ -51,25 +50,6 @@ def _batch(name: str, rows: int, seed: int):
     return torch.randn(rows, width, generator=gen), torch.randint(0, 10, (rows,), generator=gen)
 
 
-def _timed_steps(model, batch, steps: int, barrier=lambda: None) -> tuple[float, float, float]:
-    """(median step seconds, CPU seconds, wall seconds) over `steps` steps after a warm-up."""
-    import torch
-    from torch import nn
-
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times = []
-    for i in range(WARMUP + steps):
-        if i == WARMUP:
-            cpu, wall = time.process_time(), time.perf_counter()
-        barrier()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[WARMUP:]), time.process_time() - cpu, time.perf_counter() - wall
-
-
 def _in_process(name: str, config: str, steps: int) -> tuple[float, float]:
     import torch
 
@@ -80,8 +60,8 @@ def _in_process(name: str, config: str, steps: int) -> tuple[float, float]:
         model = DataParallel(model, replicas=2)
     elif config == "torch DataParallel":
         model = torch.nn.DataParallel(model)  # without CUDA it runs the module itself, on this thread
-    step, cpu, wall = _timed_steps(model, _batch(name, MODELS[name][0], 0), steps)
-    return step, cpu / wall
+    times = train_steps(model, _batch(name, MODELS[name][0], 0), steps)
+    return times.median, times.cpu / times.wall
 
 
 def _rank(rank: int, ports: tuple[int, int], name: str, steps: int, results) -> None:
@@ -103,10 +83,10 @@ def _rank(rank: int, ports: tuple[int, int], name: str, steps: int, results) -> 
     row = {}
     for config, model in (("shoal DDP", ShoalDDP(_model(name), process_group=native)),
                           ("torch DDP", TorchDDP(_model(name)))):
-        step, cpu, wall = _timed_steps(model, batch, steps, tdist.barrier)
-        maxima = torch.tensor([step, wall], dtype=torch.float64)
+        times = train_steps(model, batch, steps, tdist.barrier)
+        maxima = torch.tensor([times.median, times.wall], dtype=torch.float64)
         tdist.all_reduce(maxima, op=tdist.ReduceOp.MAX)  # the slower rank sets the pace
-        cpu_total = torch.tensor([cpu], dtype=torch.float64)
+        cpu_total = torch.tensor([times.cpu], dtype=torch.float64)
         tdist.all_reduce(cpu_total)
         row[config] = (maxima[0].item(), cpu_total.item() / maxima[1].item())
     if rank == 0:

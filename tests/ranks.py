@@ -93,3 +93,16 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, backend: str | None = "
                 p.kill()
                 p.join(timeout=5)
     return outcomes
+
+
+def wait_gone(pid: int) -> None:
+    """Raise ProcessLookupError once `pid` is gone (a zombie counts as gone); return if it lives on 10 s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    raise ProcessLookupError(pid)
+        except FileNotFoundError:
+            raise ProcessLookupError(pid) from None
+        time.sleep(0.1)  # the process is on its way out; poll its state briefly

@@ -135,7 +135,7 @@ def test_mistakes_are_named() -> None:
 
 def test_defaults_one_replica_per_usable_core_and_keeps_torch_state_dict_keys() -> None:
     model = DataParallel(nn.Linear(2, 2))
-    assert len(model.devices) == len(os.sched_getaffinity(0))
+    assert model.replicas == len(os.sched_getaffinity(0))
     assert list(model.state_dict()) == ["module.weight", "module.bias"]
 
 

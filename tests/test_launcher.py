@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.ranks import free_port
+from tests.ranks import free_port, wait_gone
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -74,23 +73,10 @@ def test_sigterm_reaches_every_worker_and_leaves_no_orphans(tmp_path: Path) -> N
             assert (tmp_path / f"got-sigterm{rank}").read_text() == "yes"
         for pid in pids:
             with pytest.raises(ProcessLookupError):
-                _wait_gone(pid)
+                wait_gone(pid)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-
-
-def _wait_gone(pid: int) -> None:
-    """Raise ProcessLookupError once `pid` is gone (a zombie counts as gone); return if it lives on."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split()[2] == "Z":
-                    raise ProcessLookupError(pid)
-        except FileNotFoundError:
-            raise ProcessLookupError(pid) from None
-        time.sleep(0.1)  # the worker is exiting after SIGTERM; poll its state briefly
 
 
 def test_two_launchers_form_one_static_multi_node_job() -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import shoal.multiprocessing as mp
+from tests.ranks import wait_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 _DEADLINE_S = 60.0
@@ -45,14 +46,6 @@ def contexts() -> Iterator[list[mp.ProcessContext]]:
 
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def _dead(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 # --- spawn ---
@@ -116,10 +109,9 @@ def test_children_die_with_their_parent() -> None:
         assert len(children) == 1
         parent.kill()
         parent.wait(10)
-        deadline = time.monotonic() + 10
-        while not all(_dead(pid) for pid in children):
-            assert time.monotonic() < deadline, f"children {children} outlived their parent"
-            time.sleep(0.05)
+        for pid in children:
+            with pytest.raises(ProcessLookupError):  # not returning means the child outlived its parent
+                wait_gone(pid)
     finally:
         parent.kill()
         parent.wait(10)

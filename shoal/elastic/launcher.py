@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import secrets
 import signal
@@ -68,13 +69,6 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _die_with(launcher_pid: int):
-    def pre_exec() -> None:
-        """In the worker before exec: get SIGKILL when the launcher dies, so no worker outlives it."""
-        die_with_parent(launcher_pid)
-    return pre_exec
-
-
 class _Worker:
     def __init__(self, local_rank: int, rank: int, env: dict[str, str], command: list[str],
                  changed: threading.Condition) -> None:
@@ -82,9 +76,10 @@ class _Worker:
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         # Its own session: signals reach the worker and whatever it starts through its process group,
         # sent by the launcher, and a terminal's Ctrl-C does not hit workers before the launcher decides.
+        # Before exec, the worker asks for SIGKILL when the launcher dies, so no worker outlives it.
         self.proc = subprocess.Popen([sys.executable, "-u", *command], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with(os.getpid()))
+                                     preexec_fn=functools.partial(die_with_parent, os.getpid()))
         self.exited_at: float | None = None
         self._changed = changed
         self.pump = threading.Thread(target=self._forward, name=f"shoal-out-{rank}", daemon=True)

@@ -47,17 +47,15 @@ class DataParallel(nn.Module):
             raise ValueError(f"shoal's DataParallel runs its replicas on CPU threads (device_ids=None, replicas=N), "
                              f"got device_ids={device_ids!r}, output_device={output_device!r}; on GPUs use "
                              f"DistributedDataParallel, one process per GPU")
-        count = replicas if replicas is not None else len(os.sched_getaffinity(0))
-        if count < 1:
-            raise ValueError(f"replicas must be at least 1, got {count}")
-        self.devices = [torch.device("cpu")] * count
-        self.output_device = torch.device("cpu")
+        self.replicas = replicas if replicas is not None else len(os.sched_getaffinity(0))
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {self.replicas}")
         self._threads: _ReplicaThreads | None = None
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         flat, spec = tree_flatten((inputs, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-        pieces = {i: flat[i].chunk(len(self.devices), self.dim) for i in positions}
+        pieces = {i: flat[i].chunk(self.replicas, self.dim) for i in positions}
         counts = {len(p) for p in pieces.values()}
         if len(counts) > 1:  # torch would drop the longer inputs' last pieces without a word
             raise ValueError(f"DataParallel splits every tensor argument along dim {self.dim} into the same number "
@@ -67,17 +65,16 @@ class DataParallel(nn.Module):
         if count == 1:  # one replica's worth of work (or no batch to split): no threads needed
             return self.module(*inputs, **kwargs)
         step = _Step(self, flat, spec, pieces, count)
-        params = list(self.module.parameters())
         tensors = [flat[i] for i in positions]
-        needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in [*tensors, *params])
+        needs_graph = torch.is_grad_enabled() and any(t.requires_grad for t in [*tensors, *step.params])
         if not needs_graph:
             return tree_unflatten(step.run(build_graph=False), step.out_spec)
-        outputs = _Replicated.apply(step, len(tensors), *tensors, *params)
+        outputs = _Replicated.apply(step, len(tensors), *tensors, *step.params)
         return tree_unflatten(list(outputs), step.out_spec)
 
     def _run(self, jobs: list[Callable[[], Any]]) -> list:
         if self._threads is None:  # started at first use, so a model built and never run starts none
-            self._threads = _ReplicaThreads(len(self.devices))
+            self._threads = _ReplicaThreads(self.replicas)
         return self._threads.run(jobs)
 
     def __getstate__(self) -> dict:
@@ -92,7 +89,8 @@ class _Step:
     def __init__(self, owner: DataParallel, flat: list, spec: Any, pieces: dict[int, tuple[torch.Tensor, ...]],
                  count: int) -> None:
         self.owner = owner
-        self.devices = owner.devices[:count]
+        self.count = count  # replicas this step runs: fewer than the owner's when the batch is short
+        self.params = list(owner.module.parameters())
         self.flat, self.spec, self.pieces = flat, spec, pieces
         self.out_spec: Any = None
         self.leaves: list[list[torch.Tensor]] = []  # per replica: its input pieces, then its parameters
@@ -100,27 +98,21 @@ class _Step:
 
     def run(self, build_graph: bool) -> list:
         """Run every replica on its piece of the batch; return the gathered flat outputs."""
-        params = list(self.owner.module.parameters())
-        jobs = [self._replica_job(r, device, params, build_graph) for r, device in enumerate(self.devices)]
-        results = self.owner._run(jobs)
+        results = self.owner._run([self._replica_job(r, build_graph) for r in range(self.count)])
         self.leaves = [leaves for leaves, _ in results]
-        specs = []
-        for _, (outputs, out_spec) in results:
-            self.outputs.append(outputs)
-            specs.append(out_spec)
-        self.out_spec = specs[0]
+        self.outputs = [outputs for _, (outputs, _) in results]
+        self.out_spec = results[0][1][1]
         return [self._gather(j) for j in range(len(self.outputs[0]))]
 
-    def _replica_job(self, r: int, device: torch.device, params: list[nn.Parameter],
-                     build_graph: bool) -> Callable[[], tuple]:
+    def _replica_job(self, r: int, build_graph: bool) -> Callable[[], tuple]:
         def job() -> tuple:
-            inputs = {i: _leaf(p[r], device) for i, p in self.pieces.items()}
-            aliases = {p: _leaf(p, device) for p in params}
-            replica = _replicate(self.owner.module, aliases, device, share_buffers=r == 0 or not self.owner.training)
+            inputs = {i: _leaf(p[r]) for i, p in self.pieces.items()}
+            aliases = {p: _leaf(p) for p in self.params}
+            replica = _replicate(self.owner.module, aliases, share_buffers=r == 0 or not self.owner.training)
             args, kwargs = tree_unflatten([inputs.get(i, x) for i, x in enumerate(self.flat)], self.spec)
             with torch.set_grad_enabled(build_graph):
                 outputs, out_spec = tree_flatten(replica(*args, **kwargs))
-            return [*inputs.values(), *(aliases[p] for p in params)], (outputs, out_spec)
+            return [*inputs.values(), *(aliases[p] for p in self.params)], (outputs, out_spec)
         return job
 
     def differentiable(self, j: int) -> bool:
@@ -131,37 +123,35 @@ class _Step:
         if not all(isinstance(part, torch.Tensor) for part in parts):
             raise TypeError(f"DataParallel gathers tensors (in tuples, lists, dicts) only; replica outputs were "
                             f"{[type(part).__name__ for part in parts]}")
-        parts = [part.detach().to(self.owner.output_device) for part in parts]
+        parts = [part.detach() for part in parts]
         if parts[0].dim() == 0:  # a scalar per replica (a loss computed inside the module): a vector of them
             return torch.stack(parts)
         return torch.cat(parts, self.owner.dim)
 
     def backward(self, grads: Sequence[torch.Tensor | None], inputs: int) -> list[torch.Tensor | None]:
         """The gradients of the step's inputs (`inputs` of them) and the module's parameters."""
-        jobs = [self._replica_backward(r, grads) for r in range(len(self.devices))]
-        per_replica = self.owner._run(jobs)
+        per_replica = self.owner._run([self._replica_backward(r, grads) for r in range(self.count)])
         input_grads = [self._join_pieces(k, [g[k] for g in per_replica]) for k in range(inputs)]
-        params = list(self.owner.module.parameters())
-        param_grads: list[torch.Tensor | None] = [None] * len(params)
+        param_grads: list[torch.Tensor | None] = [None] * len(self.params)
 
         def summer(share: list[int]) -> Callable[[], None]:
             def job() -> None:
                 for k in share:
-                    param_grads[k] = _sum([g[inputs + k] for g in per_replica], params[k].device)
+                    param_grads[k] = _sum([g[inputs + k] for g in per_replica])
             return job
 
         # Summing the replicas' gradients is a pass over every parameter: the threads share it out.
-        self.owner._run([summer(share) for share in _shares(params, len(per_replica))])
+        self.owner._run([summer(share) for share in _shares(self.params, self.count)])
         return [*input_grads, *param_grads]
 
     def _replica_backward(self, r: int, grads: Sequence[torch.Tensor | None]) -> Callable[[], list]:
         def job() -> list:
             roots, root_grads = [], []
             for j, (output, grad) in enumerate(zip(self.outputs[r], grads, strict=True)):
-                if grad is None or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                if grad is None or not output.requires_grad:
                     continue
                 roots.append(output)
-                root_grads.append(self._piece_of(grad, j, r).to(output.device))
+                root_grads.append(self._piece_of(grad, j, r))
             leaves = [leaf for leaf in self.leaves[r] if leaf.requires_grad]
             if not roots or not leaves:
                 return [None] * len(self.leaves[r])
@@ -179,11 +169,9 @@ class _Step:
     def _join_pieces(self, k: int, grads: list[torch.Tensor | None]) -> torch.Tensor | None:
         if all(g is None for g in grads):
             return None
-        position = list(self.pieces)[k]
-        whole = self.flat[position]
-        pieces = self.pieces[position]
-        return torch.cat([torch.zeros_like(p) if g is None else g.to(whole.device)
-                          for p, g in zip(pieces, grads, strict=True)], self.owner.dim)
+        pieces = list(self.pieces.values())[k]
+        return torch.cat([torch.zeros_like(p) if g is None else g for p, g in zip(pieces, grads, strict=True)],
+                         self.owner.dim)
 
 
 class _Replicated(torch.autograd.Function):
@@ -203,13 +191,12 @@ class _Replicated(torch.autograd.Function):
         return (None, None, *ctx.step.backward(grads, ctx.inputs))
 
 
-def _leaf(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A replica's own leaf over `tensor`'s data (no copy on the same device), so its gradient is its own."""
-    return tensor.detach().to(device).requires_grad_(tensor.requires_grad)
+def _leaf(tensor: torch.Tensor) -> torch.Tensor:
+    """A replica's own leaf over `tensor`'s data (no copy), so that its gradient is its own."""
+    return tensor.detach().requires_grad_(tensor.requires_grad)
 
 
-def _replicate(module: nn.Module, aliases: dict[nn.Parameter, torch.Tensor], device: torch.device,
-               share_buffers: bool) -> nn.Module:
+def _replicate(module: nn.Module, aliases: dict[nn.Parameter, torch.Tensor], share_buffers: bool) -> nn.Module:
     """A shallow copy of the module tree whose parameters are `aliases`; buffers shared or copied.
 
     Shared buffers see in-place updates (BatchNorm's running statistics); the first replica shares
@@ -220,15 +207,15 @@ def _replicate(module: nn.Module, aliases: dict[nn.Parameter, torch.Tensor], dev
         for name, param in original._parameters.items():
             setattr(replica, name, None if param is None else aliases[param])
         for name, buffer in original._buffers.items():
-            if buffer is not None and (not share_buffers or buffer.device != device):
-                replica._buffers[name] = buffer.to(device, copy=True)
+            if buffer is not None and not share_buffers:
+                replica._buffers[name] = buffer.clone()
         for name, child in original._modules.items():
             replica._modules[name] = None if child is None else copies[child]
     return copies[module]
 
 
-def _sum(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor | None:
-    present = [g.to(device) for g in grads if g is not None]
+def _sum(grads: list[torch.Tensor | None]) -> torch.Tensor | None:
+    present = [g for g in grads if g is not None]
     if not present:
         return None
     if len(present) == 1:
