@@ -96,6 +96,20 @@ def test_an_rref_sent_to_its_owner_makes_no_fork_and_one_sent_elsewhere_does() -
         forks.stop(timeout=5)
 
 
+def test_an_rref_sent_home_before_its_creating_call_arrives_waits_for_that_call() -> None:
+    told: list = []
+    holder = _forks(2, told)  # worker 2 got a fork of (0, 5) from its creator, worker 1
+    home = holder.encode_for(0, RRef._make(_NO_AGENT, 0, (0, 5), (1, 8), None))
+    owner = _forks(0, [])
+    adopted = decode(home.body, [], owner.adopt)  # the creator's remote() call is still on its way
+    assert not adopted._entry.value.done()
+    entry = owner.table.created_remotely((0, 5), (1, 7), holder=1)
+    entry.value.set_result("made")
+    assert adopted._entry is entry and adopted._entry.value.wait(0) == "made"
+    for forks in (holder, owner):
+        forks.stop(timeout=5)
+
+
 # ---- futures ----------------------------------------------------------------------------------
 
 def test_future_then_chains_values_and_errors() -> None:

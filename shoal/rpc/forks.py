@@ -65,8 +65,8 @@ class Forks:
         owner, rref_id, fork_id = token
         if owner != self.rank:
             return self._make_rref(owner, rref_id, fork_id, None)
-        if fork_id is None:  # sent home by a holder, whose fork keeps the entry in the table
-            return self._make_rref(owner, rref_id, None, self.table.existing(rref_id))
+        if fork_id is None:  # sent home by a holder, whose fork keeps the entry (perhaps not yet created)
+            return self._make_rref(owner, rref_id, None, self.table.entry(rref_id))
         rref = self._make_rref(owner, rref_id, None, self.table.entry(rref_id))
         self.table.delete_fork(rref_id, fork_id)  # the local RRef holds the object from now on
         return rref

@@ -61,20 +61,13 @@ class OwnerTable:
         return entry
 
     def entry(self, rref_id: RRefId) -> Owned:
-        """The entry for `rref_id`, or a placeholder its creating remote() call will fill."""
+        """The entry for `rref_id`, or a placeholder its creating remote() call will fill: a fetch, or
+        a reference a holder sends home, can overtake that call (they travel on different connections)."""
         with self._lock:
             entry = self._entries.get(rref_id)
             if entry is None:
                 entry = self._entries[rref_id] = Owned(rref_id)
             return entry
-
-    def existing(self, rref_id: RRefId) -> Owned:
-        """The entry for `rref_id`, which some fork holds; an internal error if none does."""
-        with self._lock:
-            entry = self._entries.get(rref_id)
-        if entry is None:
-            raise RuntimeError(f"RRef {rref_id} came back to its owner, which holds no such object")
-        return entry
 
     def created_remotely(self, rref_id: RRefId, fork_id: ForkId, holder: int) -> Owned:
         """A remote() call arrived: the entry exists from now on, held by the caller's fork."""
