@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(target: Callable, world_size: int, *args: Any, timeout: float | None = None) -> Any:

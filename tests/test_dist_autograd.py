@@ -16,6 +16,7 @@ from shoal import autograd as dist_autograd
 from shoal import rpc
 from shoal.autograd.registry import contexts
 from shoal.errors import PeerFailure
+from shoal.ports import free_port
 from tests.ranks import run_ranks
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -412,7 +413,6 @@ def _ddp_in_context(rank: int, world: int, port: int, group_port: int) -> dict |
 
 
 def test_ddp_inside_a_context_averages_its_gradients_in_the_context() -> None:
-    from tests.ranks import free_port
 
     out = run_ranks(_ddp_in_context, 3, free_port(), backend=None, timeout=90)
     expected = {"averaged": True, "not .grad": True, "trainers differ": True}

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.ranks import free_port, wait_gone
+from shoal.ports import free_port
+from tests.ranks import wait_gone
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

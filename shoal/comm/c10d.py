@@ -12,6 +12,7 @@ import torch.distributed as tdist
 
 from shoal.comm.group import ProcessGroup
 from shoal.comm.reduce_op import ReduceOp, finish_
+from shoal.comm.staging import staged
 from shoal.comm.store import Store
 from shoal.comm.work import Work
 from shoal.errors import PeerFailure
@@ -60,13 +61,6 @@ class _TorchWork(Work):
         return super().is_completed()
 
 
-def _contiguous(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-    if tensor.is_contiguous():
-        return tensor, lambda: None
-    staged = tensor.contiguous()
-    return staged, lambda: tensor.copy_(staged)
-
-
 class C10dProcessGroup(ProcessGroup):
     def __init__(self, backend: str, pg, ranks: Sequence[int], global_rank: int, timeout: timedelta,
                  *, is_world: bool) -> None:
@@ -90,40 +84,40 @@ class C10dProcessGroup(ProcessGroup):
         return _TorchWork(name, self.timeout, work, then)
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Work:
-        t, back = _contiguous(tensor)
+        t, back = staged(tensor)
         work = tdist.all_reduce(t, _TORCH_OPS[op], group=self._pg, async_op=True)
         return self._wrap("all_reduce", work, lambda: (finish_(t, op, self.size), back()))
 
     def _start_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool) -> Work:
-        t, back = _contiguous(tensor)
+        t, back = staged(tensor)
         return self._wrap("broadcast", tdist.broadcast(t, self.ranks[src], group=self._pg, async_op=True), back)
 
     def _start_reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, blocking: bool) -> Work:
         # gloo's reduce scribbles over non-root inputs; reduce a copy there so they stay as they were.
-        t, back = _contiguous(tensor) if self.rank == dst else (tensor.clone(), lambda: None)
+        t, back = staged(tensor) if self.rank == dst else (tensor.clone(), lambda: None)
         work = tdist.reduce(t, self.ranks[dst], _TORCH_OPS[op], group=self._pg, async_op=True)
         done = (lambda: (finish_(t, op, self.size), back())) if self.rank == dst else (lambda: None)
         return self._wrap("reduce", work, done)
 
     def _start_all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor, blocking: bool) -> Work:
-        staged = [_contiguous(o) for o in outs]
-        work = tdist.all_gather([s for s, _ in staged], tensor.contiguous(), group=self._pg, async_op=True)
-        return self._wrap("all_gather", work, lambda: [back() for _, back in staged])
+        outputs = [staged(o) for o in outs]
+        work = tdist.all_gather([s for s, _ in outputs], tensor.contiguous(), group=self._pg, async_op=True)
+        return self._wrap("all_gather", work, lambda: [back() for _, back in outputs])
 
     def _start_gather(self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, blocking: bool) -> Work:
-        staged = [_contiguous(o) for o in outs] if outs is not None else []
-        work = tdist.gather(tensor.contiguous(), [s for s, _ in staged] if outs is not None else None,
+        outputs = [staged(o) for o in outs] if outs is not None else []
+        work = tdist.gather(tensor.contiguous(), [s for s, _ in outputs] if outs is not None else None,
                             dst=self.ranks[dst], group=self._pg, async_op=True)
-        return self._wrap("gather", work, lambda: [back() for _, back in staged])
+        return self._wrap("gather", work, lambda: [back() for _, back in outputs])
 
     def _start_scatter(self, tensor: torch.Tensor, ins: list[torch.Tensor] | None, src: int, blocking: bool) -> Work:
-        t, back = _contiguous(tensor)
+        t, back = staged(tensor)
         blocks = [i.contiguous() for i in ins] if ins is not None else None
         work = tdist.scatter(t, blocks, src=self.ranks[src], group=self._pg, async_op=True)
         return self._wrap("scatter", work, back)
 
     def _start_reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
-        t, back = _contiguous(out)
+        t, back = staged(out)
         if self.backend == "gloo":
             # gloo has no reduce_scatter; a full all-reduce of the concatenation gives the same result.
             whole = torch.cat([i.reshape(-1) for i in ins])
@@ -160,7 +154,7 @@ class C10dProcessGroup(ProcessGroup):
         return self._wrap(f"send to rank {self.ranks[dst]}", work)
 
     def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work:
-        t, back = _contiguous(tensor)
+        t, back = staged(tensor)
         work = tdist.irecv(t, self.ranks[src], group=self._pg, tag=tag)
         return self._wrap(f"recv from rank {self.ranks[src]}", work, back)
 

@@ -15,19 +15,17 @@ from datetime import timedelta
 
 import torch
 
-from shoal.comm import ring
+from shoal.comm import dtypes, ring
 from shoal.comm.frames import Op, Recv, SendTracker, Signature
 from shoal.comm.group import ProcessGroup
 from shoal.comm.reduce_op import ReduceOp
 from shoal.comm.rendezvous import job_secret, local_address_towards
+from shoal.comm.staging import staged
 from shoal.comm.store import Store
 from shoal.comm.transport import Transport
 from shoal.comm.work import OpQueue, Work
 from shoal.errors import CollectiveMismatchError, GroupBrokenError
 
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
-           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
         "all_to_all", "barrier", "send/recv"]
 _REDUCING = {"all_reduce", "reduce", "reduce_scatter"}
@@ -38,8 +36,7 @@ def describe(sig: Signature) -> str:
     """Human-readable form of a frame signature, for mismatch errors."""
     opcode, dtype, redop, root, numel = sig
     name = _OPS[opcode] if opcode < len(_OPS) else f"op#{opcode}"
-    parts = [str(_DTYPES[dtype]).removeprefix("torch.") if dtype < len(_DTYPES) else f"dtype#{dtype}",
-             f"numel={numel}"]
+    parts = [dtypes.name(dtype), f"numel={numel}"]
     if name in _REDUCING:
         parts.append(f"op={ReduceOp(redop).name}")
     if name in _ROOTED:
@@ -48,14 +45,10 @@ def describe(sig: Signature) -> str:
 
 
 def _staged(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-    """A flat contiguous CPU tensor to communicate through, and how to copy results back.
-
-    Contiguous CPU tensors are used in place (zero-copy); others go through one staging copy.
-    """
-    if tensor.device.type == "cpu" and tensor.is_contiguous():
-        return tensor.view(-1), lambda: None
-    flat = tensor.detach().to("cpu", copy=True).contiguous().view(-1)
-    return flat, lambda: tensor.copy_(flat.view(tensor.shape))
+    """A flat contiguous CPU tensor to communicate through (the tensor itself when it can be), and how
+    to copy results back."""
+    copy, back = staged(tensor, "cpu")
+    return copy.view(-1), back
 
 
 class _OpChannel:
@@ -129,7 +122,7 @@ class ShoalProcessGroup(ProcessGroup):
     def _collective(self, name: str, tensor: torch.Tensor | None, body: Callable[[_OpChannel], None], *,
                     redop: int = 0, root: int = 0, numel: int | None = None,
                     finish: Callable[[], None] = lambda: None, blocking: bool = False) -> Work:
-        dtype = _DTYPE_CODE[_dtype_of(tensor, name)] if tensor is not None else 0
+        dtype = dtypes.code(tensor.dtype, f"{name} on the shoal backend") if tensor is not None else 0
         count = numel if numel is not None else (tensor.numel() if tensor is not None else 0)
         sig = (_OPS.index(name), dtype, int(redop), root, count)
         work = Work(name, self.timeout)
@@ -223,7 +216,7 @@ class ShoalProcessGroup(ProcessGroup):
         if self._broken is not None:
             raise GroupBrokenError(f"{name}: this group failed earlier ({self._broken}); destroy it and "
                                    f"create a new one")
-        sig = (_OPS.index("send/recv"), _DTYPE_CODE[_dtype_of(tensor, name)], 0, 0, tensor.numel())
+        sig = (_OPS.index("send/recv"), dtypes.code(tensor.dtype, f"{name} on the shoal backend"), 0, 0, tensor.numel())
         return Op(self._group_id, tag, seq, sig, (self.ranks[peer],), self.timeout, name, describe,
                   deadline=work.deadline)
 
@@ -279,13 +272,6 @@ class ShoalProcessGroup(ProcessGroup):
         self._queue.close(self.timeout)
         if self._owns_transport:
             self.transport.close(self.timeout)
-
-
-def _dtype_of(tensor: torch.Tensor, name: str) -> torch.dtype:
-    if tensor.dtype not in _DTYPE_CODE:
-        raise TypeError(f"{name}: dtype {tensor.dtype} is not supported by the shoal backend "
-                        f"(supported: {[str(d) for d in _DTYPES]})")
-    return tensor.dtype
 
 
 def _all(callbacks) -> Callable[[], None]:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch.distributed as tdist
 
+from shoal.backoff import attempts
+
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 
@@ -88,17 +90,12 @@ class Store:
 
 def _wait_until_reachable(host: str, port: int, timeout: timedelta) -> None:
     deadline = time.monotonic() + timeout.total_seconds()
-    delay = 0.01
-    while True:
+    error: OSError | None = None
+    for _ in attempts(deadline):
         try:
             with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 return
         except OSError as exc:
-            if time.monotonic() + delay >= deadline:
-                raise TimeoutError(
-                    f"rendezvous store at {host}:{port} is unreachable after "
-                    f"{timeout.total_seconds():g}s ({exc}); check MASTER_ADDR/MASTER_PORT "
-                    f"and that rank 0 is running"
-                ) from None
-            time.sleep(delay)  # backoff between connection attempts, not a wait for a peer
-            delay = min(delay * 2, 0.5)
+            error = exc
+    raise TimeoutError(f"rendezvous store at {host}:{port} is unreachable after {timeout.total_seconds():g}s "
+                       f"({error}); check MASTER_ADDR/MASTER_PORT and that rank 0 is running")

@@ -17,7 +17,6 @@ import functools
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.orphans import die_with_parent
+from shoal.ports import free_port
 
 _GRACE_S = 10.0  # how long stopped workers get between SIGTERM and SIGKILL
 _TAIL_LINES = 20
@@ -61,12 +61,6 @@ class LaunchConfig:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not self.command:
             raise ValueError("nothing to run: give a script (and its arguments) or -m module")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class _Worker:
@@ -162,7 +156,7 @@ class Launcher:
 
     def _attempt(self, attempt: int) -> tuple[_Worker, int] | None:
         cfg = self.config
-        port = cfg.master_port if cfg.master_port is not None else _free_port(cfg.master_addr)
+        port = cfg.master_port if cfg.master_port is not None else free_port(cfg.master_addr)
         world = cfg.nnodes * cfg.nproc_per_node
         base = dict(os.environ, MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(cfg.nproc_per_node), SHOAL_RESTART_COUNT=str(attempt))

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
-           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+from shoal.comm import dtypes
+
 MAX_DIMS = 8
 # num_stages, sender, n_microbatches, training, batch_size, dtype code, ndim, then MAX_DIMS dims (zero-padded)
 LENGTH = 7 + MAX_DIMS
@@ -47,7 +46,7 @@ class StepHeader:
 
     def encode(self) -> torch.Tensor:
         fields = [self.num_stages, self.sender, self.n_microbatches, int(self.training), self.batch_size,
-                  _DTYPE_CODE[self.dtype], len(self.shape), *self.shape]
+                  dtypes.code(self.dtype, "a pipeline step header"), len(self.shape), *self.shape]
         return torch.tensor(fields + [0] * (LENGTH - len(fields)), dtype=torch.int64)
 
     @classmethod
@@ -55,14 +54,12 @@ class StepHeader:
         fields = tensor.tolist()
         ndim = fields[6]
         return cls(num_stages=fields[0], sender=fields[1], n_microbatches=fields[2], training=bool(fields[3]),
-                   batch_size=fields[4], dtype=_DTYPES[fields[5]], shape=tuple(fields[7:7 + ndim]))
+                   batch_size=fields[4], dtype=dtypes.DTYPES[fields[5]], shape=tuple(fields[7:7 + ndim]))
 
 
 def check_describable(tensor: torch.Tensor, stage: int) -> None:
     """Raise if a header cannot describe `tensor` (the activation stage `stage` is about to send)."""
-    if tensor.dtype not in _DTYPE_CODE:
-        raise TypeError(f"stage {stage}: its output has dtype {tensor.dtype}, which cannot be sent to the next "
-                        f"stage (supported: {[str(d).removeprefix('torch.') for d in _DTYPES]})")
+    dtypes.code(tensor.dtype, f"stage {stage}: its output, sent to the next stage,")
     if not 1 <= tensor.dim() <= MAX_DIMS:
         raise ValueError(f"stage {stage}: its output has shape {tuple(tensor.shape)}; an activation passed between "
                          f"stages needs the batch as dim 0 and at most {MAX_DIMS} dims")

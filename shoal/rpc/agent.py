@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from shoal.backoff import attempts
 from shoal.comm import rendezvous
 from shoal.comm.transport import Transport
 from shoal.errors import GroupBrokenError, PeerFailure
@@ -386,14 +387,13 @@ class RpcAgent:
         # Polled: a worker that dies meanwhile (it joins _gone) must not be waited for. With
         # backoff: a server may wait here for its trainers' whole run, and every poll is a request
         # to the store that rank 0 serves.
-        delay = 0.005
         for rank in range(len(self._workers)):
-            while rank not in self._gone and not self.store.has(f"{name}/{rank}"):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"worker {self.name!r}: worker {self._workers[rank].name!r} did not "
-                                       f"{what} before the shutdown deadline")
-                time.sleep(delay)
-                delay = min(delay * 1.5, 0.1)
+            for _ in attempts(deadline, first=0.005, limit=0.1, factor=1.5):
+                if rank in self._gone or self.store.has(f"{name}/{rank}"):
+                    break
+            else:
+                raise TimeoutError(f"worker {self.name!r}: worker {self._workers[rank].name!r} did not "
+                                   f"{what} before the shutdown deadline")
 
     def _tear_down(self, deadline: float | None) -> None:
         """Close everything; with a deadline, also wait until then for calls still being served."""

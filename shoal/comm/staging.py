@@ -1,0 +1,16 @@
+"""Communicating a tensor that is not laid out for it (non-contiguous, or on another device) through a
+contiguous staging copy, and copying the result back; tensors that are already right are used in place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def staged(tensor: torch.Tensor, device: str | None = None) -> tuple[torch.Tensor, Callable[[], None]]:
+    """`tensor` as a contiguous tensor on `device` (its own when None), and how to copy results back."""
+    if tensor.is_contiguous() and (device is None or tensor.device.type == device):
+        return tensor, lambda: None
+    copy = tensor.detach().to(device or tensor.device, copy=True).contiguous()
+    return copy, lambda: tensor.copy_(copy)
