@@ -1,21 +1,14 @@
-"""What travels between ranks and how one operation's frames are tracked: the frame header, an
-operation's identity and signature, posted receives, and the accounting of pending sends."""
+"""How one operation's frames are tracked: its identity and signature, posted receives, frames held
+until their receive is posted, and the accounting of pending sends."""
 
 from __future__ import annotations
 
-import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
-
-# kind, dtype, op, reduce op, root, group, tag, seq, sub, numel, payload bytes, shared-memory slot
-HEADER = struct.Struct("<BBBBiIqQIQQi")
-DATA, ABORT, BYE, SHM_OFFER, SHM_ACCEPT = 1, 2, 3, 4, 5
-NO_SLOT = -1
 
 Signature = tuple[int, int, int, int, int]  # (op, dtype, reduce op, root, numel)
 
@@ -138,18 +131,3 @@ class Held:
         self.complete = False
         self.waiter: Recv | None = None
 
-
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        got = sock.recv_into(view, len(view), socket.MSG_WAITALL)
-        if got == 0:
-            raise ConnectionResetError("connection closed by peer")
-        view = view[got:]
-
-
-def send_frame(sock: socket.socket, header: bytes, payload: memoryview) -> None:
-    sent = sock.sendmsg([header, payload])
-    while sent < len(header):
-        sent += sock.sendmsg([header[sent:], payload])
-    if sent - len(header) < len(payload):
-        sock.sendall(payload[sent - len(header):])

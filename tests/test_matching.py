@@ -1,0 +1,141 @@
+"""Matching arriving frames to posted receives, without sockets: posted first or arrived first, the
+same bytes land in the same place; disagreeing frames abort; withdrawn and failed ones are dropped."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from shoal.comm.frames import Op, Recv
+from shoal.comm.matching import Matcher
+from shoal.errors import CollectiveMismatchError, GroupBrokenError, PeerFailure
+
+SIG = (1, 0, 0, 0, 4)  # an all-reduce of four float32s
+
+
+def _op(seq: int = 1, sig: tuple = SIG) -> Op:
+    return Op(0, 0, seq, sig, (0, 1), timedelta(seconds=10), "test op", lambda s: f"op{s}")
+
+
+def _matcher() -> tuple[Matcher, list]:
+    aborted: list = []
+    matcher = Matcher(0, lambda op, error: (aborted.append(error), matcher.fail_op(op.ident, error)))
+    return matcher, aborted
+
+
+def _deliver(matcher: Matcher, op: Op, data: bytes, sig: tuple = SIG) -> None:
+    arrival = matcher.arrive(1, op.ident, 0, sig, len(data))
+    arrival.view[:] = data
+    arrival.done()
+
+
+def _post(matcher: Matcher, op: Op, nbytes: int = 16) -> tuple[Recv, bytearray]:
+    buffer = bytearray(nbytes)
+    recv = Recv(op, 1, 0, memoryview(buffer), None, None)
+    matcher.post(recv)
+    return recv, buffer
+
+
+def test_a_posted_receive_gets_the_frame_in_its_own_buffer() -> None:
+    matcher, _ = _matcher()
+    op = _op()
+    matcher.begin(op)
+    recv, buffer = _post(matcher, op)
+    arrival = matcher.arrive(1, op.ident, 0, SIG, 16)
+    assert arrival.view.obj is buffer  # zero-copy: the frame is read straight into the posted buffer
+    arrival.view[:] = bytes(range(16))
+    arrival.done()
+    assert recv.event.is_set() and recv.error is None and bytes(buffer) == bytes(range(16))
+
+
+def test_a_frame_that_comes_first_is_held_until_its_receive_is_posted() -> None:
+    matcher, _ = _matcher()
+    op = _op()
+    matcher.begin(op)
+    _deliver(matcher, op, bytes(range(16)))
+    recv, buffer = _post(matcher, op)
+    assert recv.event.is_set() and recv.error is None and bytes(buffer) == bytes(range(16))
+
+
+def test_a_receive_posted_while_its_frame_is_read_in_gets_it_when_complete() -> None:
+    matcher, _ = _matcher()
+    op = _op()
+    matcher.begin(op)
+    arrival = matcher.arrive(1, op.ident, 0, SIG, 16)
+    recv, buffer = _post(matcher, op)
+    assert not recv.event.is_set()
+    arrival.view[:] = bytes(range(16))
+    arrival.done()
+    assert recv.event.is_set() and bytes(buffer) == bytes(range(16))
+
+
+def test_a_frame_withdrawn_while_it_is_read_in_is_dropped_quietly() -> None:
+    matcher, aborted = _matcher()
+    op = _op()
+    matcher.begin(op)
+    arrival = matcher.arrive(1, op.ident, 0, SIG, 16)
+    recv, buffer = _post(matcher, op)
+    matcher.end(op)  # a mismatch elsewhere ended the op while the frame was still coming in
+    arrival.view[:] = bytes(range(16))
+    arrival.done()
+    assert not recv.event.is_set() and bytes(buffer) == bytes(16) and aborted == []
+    assert matcher.failure(1) is None
+
+
+@pytest.mark.parametrize("posted_first", [True, False])
+def test_a_frame_of_another_collective_aborts_the_op(posted_first: bool) -> None:
+    matcher, aborted = _matcher()
+    op = _op()
+    matcher.begin(op)
+    other = (2, 0, 0, 0, 4)  # a broadcast where we called an all-reduce
+    if posted_first:
+        recv, _ = _post(matcher, op)
+        _deliver(matcher, op, bytes(16), other)
+        assert recv.error is aborted[0]
+    else:
+        _deliver(matcher, op, bytes(16), other)
+    assert len(aborted) == 1 and "rank 1 sent op(2, 0, 0, 0, 4)" in str(aborted[0])
+    with pytest.raises(CollectiveMismatchError):
+        matcher.check_usable(op)
+
+
+def test_a_frame_of_another_size_is_named_as_such() -> None:
+    matcher, _ = _matcher()
+    op = _op()
+    recv, _ = _post(matcher, op, nbytes=8)
+    _deliver(matcher, op, bytes(16))
+    assert "a frame of a different size" in str(recv.error)
+
+
+def test_a_lost_peer_fails_what_waits_on_it_and_what_it_takes_part_in() -> None:
+    matcher, _ = _matcher()
+    op = _op()
+    matcher.begin(op)
+    recv, _ = _post(matcher, op)
+    error, first = matcher.peer_lost(1, "connection lost")
+    assert first and recv.error is error and isinstance(error, PeerFailure) and error.rank == 1
+    assert matcher.peer_lost(1, "again") == (error, False)
+    with pytest.raises(PeerFailure):
+        matcher.check_usable(_op(seq=2))
+
+
+def test_a_departed_peer_still_delivers_what_it_sent_before_leaving() -> None:
+    matcher, _ = _matcher()
+    op = _op()
+    matcher.begin(op)
+    _deliver(matcher, op, bytes(range(16)))
+    matcher.peer_departed(1)
+    recv, buffer = _post(matcher, op)
+    assert recv.error is None and bytes(buffer) == bytes(range(16))
+    with pytest.raises(PeerFailure, match="left the group"):
+        _post(matcher, _op(seq=2))
+
+
+def test_closing_fails_every_waiting_receive() -> None:
+    matcher, _ = _matcher()
+    recv, _ = _post(matcher, _op())
+    matcher.close()
+    assert isinstance(recv.error, GroupBrokenError)
+    with pytest.raises(GroupBrokenError, match="closed"):
+        matcher.check_usable(_op(seq=2))
