@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
+from shoal.ports import free_port
 
 SIZES = {"4KiB": 4 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
 
@@ -68,7 +69,7 @@ def _worker(rank: int, world_size: int, ports: tuple[int, int], sizes: list[str]
 
 
 def run(world_size: int, sizes: list[str], repeats: int) -> list:
-    return _ranks.run(_worker, world_size, world_size, (_ranks.free_port(), _ranks.free_port()), sizes, repeats)
+    return _ranks.run(_worker, world_size, world_size, (free_port(), free_port()), sizes, repeats)
 
 
 def table(world_size: int, rows: list) -> list[str]:

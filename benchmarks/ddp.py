@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
 from benchmarks._steps import train_steps
+from shoal.ports import free_port
 
 MODELS = ("mlp-10M", "digits-cnn")
 
@@ -98,7 +99,7 @@ def _median_step_comm(op, steps: int, barrier) -> float:
 
 
 def run(steps: int) -> list[dict]:
-    return _ranks.run(_worker, 2, (_ranks.free_port(), _ranks.free_port()), steps)
+    return _ranks.run(_worker, 2, (free_port(), free_port()), steps)
 
 
 def _hidden(step: float, compute: float, comm: float) -> str:

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
+from shoal.ports import free_port
 
 LIBRARIES = {"torch": "torch.distributed (TensorPipe)", "shoal": "shoal"}  # name: column heading
 WORKERS = ("trainer", "ps", "mlp")
@@ -174,7 +175,7 @@ def _worker(rank: int, library: str, port: int, steps: int, results) -> None:
 def run_side(library: str, steps: int, timeout: float) -> dict:
     """Run the program with one library's modules on len(WORKERS) fresh spawned processes; the
     trainer's result. Raises if a worker fails or the whole run takes longer than `timeout` seconds."""
-    return _ranks.run(_worker, len(WORKERS), library, _ranks.free_port(), steps, timeout=timeout)
+    return _ranks.run(_worker, len(WORKERS), library, free_port(), steps, timeout=timeout)
 
 
 def _p90(times: list[float]) -> float:

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
 from benchmarks._steps import train_steps
+from shoal.ports import free_port
 
 MODELS = {  # name: (global batch, what it stresses)
     "small-layers": (64, "48 Linear(32, 32) + ReLU: time goes to Python and per-operator overhead"),
@@ -105,7 +106,7 @@ def run(steps: int, rounds: int) -> dict[str, dict[str, tuple[float, float]]]:
         for name in MODELS:
             for config in IN_PROCESS:
                 samples[name].setdefault(config, []).append(_in_process(name, config, steps))
-            ports = (_ranks.free_port(), _ranks.free_port())
+            ports = (free_port(), free_port())
             for config, value in _ranks.run(_rank, 2, ports, name, steps, timeout=600).items():
                 samples[name].setdefault(config, []).append(value)
     return {name: {config: (statistics.median(s for s, _ in values), statistics.median(c for _, c in values))

@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
+from shoal.ports import free_port
 
 MICROBATCHES = (1, 2, 4, 8, 16)
 VARIANTS = ("shoal GPipe", "torch GPipe", "shoal 1F1B", "torch 1F1B")
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
-    rows = _ranks.run(_worker, STAGES, (_ranks.free_port(), _ranks.free_port()), args)
+    rows = _ranks.run(_worker, STAGES, (free_port(), free_port()), args)
     print("\n".join(table(rows)))
     if args.plot is not None:
         plot(rows, args.plot)

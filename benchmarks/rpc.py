@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
+from shoal.ports import free_port
 
 TENSOR_NUMEL = (1 << 20) // 4  # 1 MiB of float32
 IN_FLIGHT = 64
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="turns each library takes (median reported)")
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each measurement")
     args = parser.parse_args(argv)
-    result = _ranks.run(_worker, 2, (_ranks.free_port(), _ranks.free_port()), args.rounds, args.seconds)
+    result = _ranks.run(_worker, 2, (free_port(), free_port()), args.rounds, args.seconds)
     print("\n".join(table(result)))
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("allreduce", "autograd", "ddp", "dp", "pipeline", "recovery", "rpc")
+BENCHMARKS = ("allreduce", "autograd", "ddp", "dp", "faults", "pipeline", "recovery", "rpc")
 _MODULES = {"autograd": "dist_autograd", "dp": "dp_vs_ddp"}  # benchmarks whose file in benchmarks/ is not NAME.py
 
 

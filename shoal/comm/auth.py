@@ -24,6 +24,10 @@ class AuthenticationError(ConnectionError):
     """A peer failed to prove knowledge of the job secret, or spoke something else entirely."""
 
 
+class HandshakeAbandoned(AuthenticationError):
+    """The peer closed the connection before finishing the handshake (a liveness probe does so at once)."""
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
@@ -40,7 +44,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     try:
         recv_exact(sock, memoryview(buf))
     except ConnectionResetError:
-        raise AuthenticationError("peer closed the connection during the handshake") from None
+        raise HandshakeAbandoned("peer closed the connection during the handshake") from None
     return bytes(buf)
 
 

@@ -16,6 +16,8 @@ class Kind(enum.IntEnum):
     BYE = 3  # the sender closes the connection after this frame
     SHM_OFFER = 4  # the name of the sender's shared-memory region towards us
     SHM_ACCEPT = 5  # we mapped the region the peer offered
+    ACK = 6  # unnumbered: only the acknowledgement every header carries
+    HEARTBEAT = 7  # unnumbered: the sender is alive and has nothing else to say
 
 
 class FrameHeader(NamedTuple):
@@ -31,6 +33,8 @@ class FrameHeader(NamedTuple):
     root: int = 0
     numel: int = 0
     slot: int = NO_SLOT  # the shared-memory slot holding the payload
+    number: int = 0  # the frame's place in the link's stream (from 1; 0 for ACK and HEARTBEAT)
+    ack: int = 0  # the last frame number the sender has received from us
 
     @property
     def ident(self) -> tuple[int, int, int]:
@@ -49,7 +53,7 @@ class FrameHeader(NamedTuple):
         return cls(Kind(kind), *rest)
 
 
-_LAYOUT = struct.Struct("<BQIqQIBBBiQi")  # in FrameHeader's field order
+_LAYOUT = struct.Struct("<BQIqQIBBBiQiQQ")  # in FrameHeader's field order
 SIZE = _LAYOUT.size
 
 

@@ -5,6 +5,7 @@ the bookkeeping of peers that crash or leave."""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 import threading
@@ -16,7 +17,7 @@ from shoal.backoff import attempts
 from shoal.comm import auth
 from shoal.comm.frame_header import FrameHeader, Kind
 from shoal.comm.frames import Op, Payload, Recv, SendTracker
-from shoal.comm.link import MAX_ABORT_TEXT, PeerLink
+from shoal.comm.link import MAX_ABORT_TEXT, PeerLink, resume_handshake
 from shoal.comm.matching import Matcher
 from shoal.errors import CollectiveMismatchError, PeerFailure
 
@@ -37,9 +38,12 @@ class Transport:
     """Full mesh of authenticated connections between the ranks of one job."""
 
     def __init__(self, rank: int, world_size: int, *, secret: bytes, session: bytes, host: str,
-                 stall_timeout: timedelta) -> None:
+                 stall_timeout: timedelta, heal_timeout: timedelta | None = None,
+                 heartbeat_timeout: timedelta | None = None) -> None:
         self.rank, self.world_size = rank, world_size
         self._stall_timeout = stall_timeout
+        self._heal_timeout = _seconds(heal_timeout, "SHOAL_HEAL_TIMEOUT", 10.0)
+        self._heartbeat_timeout = _seconds(heartbeat_timeout, "SHOAL_HEARTBEAT_TIMEOUT", 5.0)
         self._secret, self._session = secret, session
         self._lock = threading.Lock()
         self._links: dict[int, PeerLink] = {}
@@ -53,7 +57,9 @@ class Transport:
         self._threads: list[threading.Thread] = []
         self._listener = socket.create_server((host, 0), backlog=max(16, world_size))
         self.address = self._listener.getsockname()[:2]
+        self._stopping = threading.Event()
         self._start(self._accept_loop, name="shoal-accept")
+        self._start(self._heartbeat_loop, name="shoal-heartbeat")
 
     # ---- connection set-up -------------------------------------------------------------------
 
@@ -61,7 +67,9 @@ class Transport:
         """Connect to every lower rank and wait for every higher rank to connect to us."""
         deadline = time.monotonic() + timeout.total_seconds()
         for peer in range(self.rank):
-            self._adopt(peer, self._dial(peer, tuple(addresses[peer]), deadline))
+            address = (addresses[peer][0], addresses[peer][1])
+            sock, _ = self._dial(peer, address, deadline)
+            self._adopt(peer, sock, address[1])
         with self._lock:
             missing = lambda: [r for r in range(self.rank + 1, self.world_size) if r not in self._links]  # noqa: E731
             if not self._links_changed.wait_for(lambda: not missing(),
@@ -69,20 +77,33 @@ class Transport:
                 raise TimeoutError(f"rank {self.rank}: ranks {missing()} did not connect within "
                                    f"{timeout.total_seconds():g}s")
 
-    def _dial(self, peer: int, address: tuple[str, int], deadline: float) -> socket.socket:
+    def _dial(self, peer: int, address: tuple[str, int], deadline: float, *, received: int = 0,
+              refused_is_final: bool = False) -> tuple[socket.socket, int]:
+        """An authenticated connection to `peer`, and the last frame it says it received from us."""
         error: OSError | None = None
-        for _ in attempts(deadline):  # the peer's listener may not be up yet
+        for _ in attempts(deadline):  # the peer's listener may not be up yet, or the network may be down
             try:
                 sock = socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))
                 sock.settimeout(min(_HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
                 auth.client_handshake(sock, self._secret, self._session, my_rank=self.rank, peer_rank=peer)
-                return sock
-            except auth.AuthenticationError:
-                raise
+                peer_received, _ = resume_handshake(sock, received, self.address[1])
+                _configure(sock, self._stall_timeout)
+                return sock, peer_received
+            except auth.AuthenticationError as exc:
+                if not refused_is_final:
+                    raise
+                raise PeerFailure(peer, f"it refused to reconnect ({exc})") from None
+            except ConnectionRefusedError as exc:
+                if refused_is_final:
+                    raise PeerFailure(peer, "its process is gone (its listener refuses connections)") from None
+                error = exc
             except OSError as exc:
                 error = exc
         raise TimeoutError(f"rank {self.rank} could not connect to rank {peer} at {address[0]}:{address[1]}: "
                            f"{error}")
+
+    def redial(self, link: PeerLink, address: tuple[str, int], deadline: float) -> tuple[socket.socket, int]:
+        return self._dial(link.rank, address, deadline, received=link.received, refused_is_final=True)
 
     def _accept_loop(self) -> None:
         while True:
@@ -97,7 +118,15 @@ class Transport:
             conn.settimeout(_HANDSHAKE_TIMEOUT_S)
             peer = auth.server_handshake(conn, self._secret, self._session, my_rank=self.rank,
                                          world_size=self.world_size, admit=self._check_newcomer)
-            self._adopt(peer, conn)
+            link = self._links.get(peer)
+            peer_received, peer_port = resume_handshake(conn, link.received if link else 0, self.address[1])
+            _configure(conn, self._stall_timeout)
+            if link is None:
+                self._adopt(peer, conn, peer_port)
+            else:
+                link.replace(conn, peer_received)
+        except auth.HandshakeAbandoned:
+            conn.close()  # a peer checking that we are alive, or one that gave up
         except (OSError, struct.error, ValueError) as exc:
             log.warning("rank %d rejected a connection: %s", self.rank, exc)
             conn.close()
@@ -106,20 +135,14 @@ class Transport:
         if peer < self.rank:
             raise auth.AuthenticationError(f"rank {peer} should be dialled, not dial in")
         with self._lock:
-            if peer in self._links or self.closed:
-                raise auth.AuthenticationError(f"rank {peer} is already connected")
+            if self.closed:
+                raise auth.AuthenticationError(f"rank {self.rank} is closing")
+            if self._matcher.failure(peer) is not None:
+                raise auth.AuthenticationError(f"rank {peer} was given up: {self._matcher.failure(peer)}")
 
-    def _adopt(self, peer: int, sock: socket.socket) -> None:
-        sock.settimeout(None)
-        # A write that makes no progress for this long means the peer has stopped reading (stalled,
-        # not dead): fail it rather than block a thread forever.
-        seconds = self._stall_timeout.total_seconds()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
-        link = PeerLink(self, peer, sock)
+    def _adopt(self, peer: int, sock: socket.socket, peer_port: int) -> None:
+        link = PeerLink(self, peer, sock, dialer=peer < self.rank, peer_port=peer_port,
+                        heal_timeout=self._heal_timeout)
         with self._lock:
             if peer in self._links or self.closed:
                 raise auth.AuthenticationError(f"rank {peer} is already connected")
@@ -204,7 +227,10 @@ class Transport:
         arrival = self._matcher.arrive(link.rank, header.ident, header.sub, header.signature, header.nbytes)
         try:
             payload.fill(arrival.view)
-        except OSError as exc:  # the peer vanished mid-frame: whoever waits for it must hear so
+        except PeerFailure as exc:  # the link could not be healed: whoever waits for the frame must hear so
+            arrival.failed(exc)
+            raise
+        except OSError as exc:
             arrival.failed(self.link_lost(link.rank, f"connection lost ({exc})"))
             raise
         arrival.done()
@@ -212,16 +238,14 @@ class Transport:
     def on_abort(self, link: PeerLink, header: FrameHeader, text: str) -> None:
         self._matcher.fail_op(header.ident, CollectiveMismatchError(text))
 
-    def on_bye(self, link: PeerLink) -> None:
-        self._tell_listeners(self._matcher.peer_departed(link.rank))
+    def on_bye(self, link: PeerLink) -> PeerFailure:
+        error = self._matcher.peer_departed(link.rank)
+        self._tell_listeners(error)
+        return error
 
     def failure(self, rank: int) -> PeerFailure | None:
         """Why `rank` is gone (crashed or left), or None while it is a member."""
         return self._matcher.failure(rank)
-
-    def send_failed(self, rank: int, exc: OSError) -> PeerFailure:
-        """A write failed: the peer is lost, unless it said goodbye first and its socket was shut since."""
-        return self._matcher.failure(rank) or self.link_lost(rank, f"send failed: {exc}")
 
     def link_lost(self, rank: int, reason: str) -> PeerFailure:
         error, first = self._matcher.peer_lost(rank, reason)
@@ -231,9 +255,22 @@ class Transport:
             log.warning("rank %d lost rank %d: %s", self.rank, rank, reason)
         self._tell_listeners(error)
         link = self._links.get(rank)
-        if link is not None:  # its send thread now settles queued frames with this error
-            link.shutdown(socket.SHUT_RDWR)
+        if link is not None:
+            link.fail(error)
+            link.shutdown(socket.SHUT_RDWR)  # wakes its reader
         return error
+
+    def sever(self, rank: int) -> None:
+        """Drop the connection to `rank` as a network fault would; the link heals itself. For fault
+        drills and tests of retransmission."""
+        self._links[rank].sever()
+
+    def _heartbeat_loop(self) -> None:
+        interval = self._heartbeat_timeout / 5
+        while not self._stopping.wait(interval):
+            now = time.monotonic()
+            for link in list(self._links.values()):
+                link.heartbeat(now, interval, self._heartbeat_timeout)
 
     def _tell_listeners(self, error: PeerFailure) -> None:
         for listener in self._failure_listeners:
@@ -251,6 +288,7 @@ class Transport:
                 return
             self.closed = True
             links = list(self._links.values())
+        self._stopping.set()
         self._matcher.close()
         done = SendTracker()
         for link in links:
@@ -281,3 +319,27 @@ class Transport:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _configure(sock: socket.socket, stall_timeout: timedelta) -> None:
+    sock.settimeout(None)
+    # A write that makes no progress for this long means the peer has stopped reading (stalled,
+    # not dead): fail it rather than block a thread forever.
+    seconds = stall_timeout.total_seconds()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+
+
+def _seconds(given: timedelta | None, variable: str, default: float) -> float:
+    if given is not None:
+        return given.total_seconds()
+    text = os.environ.get(variable)
+    try:
+        seconds = float(text) if text else default
+    except ValueError:
+        raise ValueError(f"{variable}={text!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ValueError(f"{variable} must be positive, got {text}")
+    return seconds
