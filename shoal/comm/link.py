@@ -419,15 +419,30 @@ class PeerLink:
         return bytes(data)
 
     def _payload(self, header: FrameHeader) -> Payload:
+        """The frame's payload for its consumer. The frame counts as received (and is acknowledged by
+        the next header we write) as soon as its payload is in, before the consumer acts on it: a peer
+        woken by it may say goodbye at once, and its goodbye must acknowledge this frame."""
+        number = header.number
         if header.slot == NO_SLOT:
-            number = header.number
-            return Payload(lambda view: self._fill(view, number), None)
+            def fill(view: memoryview) -> None:
+                self._fill(view, number)
+                self.received = number
+            return Payload(fill, None)
         lane = self._lane_in
         if lane is None:
             raise ConnectionError(f"rank {self.rank} sent a shared-memory frame without a shared region")
         slot, nbytes = header.slot, header.nbytes
-        lend: Callable[[], torch.Tensor | None] = lambda: lane.lend(slot, nbytes)  # noqa: E731
-        return Payload(lambda view: lane.take(slot, view), lend)
+
+        def take(view: memoryview) -> None:
+            lane.take(slot, view)
+            self.received = number
+
+        def lend() -> torch.Tensor | None:
+            tensor = lane.lend(slot, nbytes)
+            if tensor is not None:
+                self.received = number
+            return tensor
+        return Payload(take, lend)
 
     def _accept_lane(self, name: str) -> None:
         try:
