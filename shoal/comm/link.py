@@ -53,8 +53,8 @@ def resume_handshake(sock: socket.socket, received: int, listen_port: int) -> tu
 
 
 class LinkOwner(Protocol):
-    """What a link asks of, and reports to, the transport that owns it. Calls come from the link's
-    reader thread, except `failure` (any thread)."""
+    """What a link asks of, and reports to, the transport that owns it; calls come from the link's
+    reader thread."""
 
     closed: bool
 
@@ -72,8 +72,6 @@ class LinkOwner(Protocol):
     def redial(self, link: PeerLink, address: tuple[str, int], deadline: float) -> tuple[socket.socket, int]:
         """A new authenticated, resumed connection to the peer (the socket and the peer's last received
         frame); PeerFailure when its process is gone, TimeoutError at `deadline`."""
-
-    def failure(self, rank: int) -> PeerFailure | None: ...
 
 
 class _SocketFull(Exception):
@@ -125,6 +123,7 @@ class PeerLink:
         self.last_heard = self.last_sent = time.monotonic()
         self._lane_out: shm.Outbound | None = None
         self._lane_in: shm.Inbound | None = None
+        self._header_buffer = bytearray(SIZE)  # the reader's, reused for every header
 
     def start(self, start_thread: Callable[..., None]) -> None:
         """Start reading and sending, offering a shared-memory lane first where this host has them."""
@@ -301,8 +300,6 @@ class PeerLink:
         with self._state:
             while self._window and self._window[0].header.number <= number:
                 settled.append(self._window.popleft())
-            if settled:
-                self._state.notify_all()
         for frame in settled:
             if frame.tracker is not None:
                 frame.tracker.settle(None)
@@ -361,7 +358,7 @@ class PeerLink:
         return True
 
     def _read_header(self) -> FrameHeader:
-        raw = bytearray(SIZE)
+        raw = self._header_buffer
         self._recv(memoryview(raw))
         try:
             header = FrameHeader.unpack(raw)
@@ -487,7 +484,8 @@ class PeerLink:
         log.info("connection to rank %d dropped (%s); healing", self.rank, exc)
         deadline = time.monotonic() + self._heal_timeout
         try:
-            new, peer_received = self._redial(deadline) if self._dialer else self._await_redial(deadline)
+            new, peer_received = (self._owner.redial(self, self._address, deadline) if self._dialer
+                                  else self._await_redial(deadline))
         except PeerFailure as failure:
             raise self._owner.link_lost(self.rank, failure.detail) from None
         except TimeoutError:
@@ -503,9 +501,6 @@ class PeerLink:
             self.last_heard = time.monotonic()
         self._enqueue(None, memoryview(b""), None)  # the send thread replays (never the reader: see send)
         log.info("connection to rank %d restored", self.rank)
-
-    def _redial(self, deadline: float) -> tuple[socket.socket, int]:
-        return self._owner.redial(self, self._address, deadline)
 
     def _await_redial(self, deadline: float) -> tuple[socket.socket, int]:
         """Wait for the peer to dial us again, checking between waits that its process still listens."""
@@ -567,12 +562,17 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
+def process_gone(rank: int) -> PeerFailure:
+    """A dropped connection whose peer's listener refuses connections: not a link to heal."""
+    return PeerFailure(rank, "its process is gone (its listener refuses connections)")
+
+
 def _probe(address: tuple[str, int], rank: int) -> None:
     """PeerFailure if nothing listens at the peer's listener address any more: its process is gone."""
     try:
         with socket.create_connection(address, timeout=1.0):
             pass
     except ConnectionRefusedError:
-        raise PeerFailure(rank, "its process is gone (its listener refuses connections)") from None
+        raise process_gone(rank) from None
     except OSError:
         pass  # unreachable for now: the deadline decides

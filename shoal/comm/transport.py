@@ -17,7 +17,7 @@ from shoal.backoff import attempts
 from shoal.comm import auth
 from shoal.comm.frame_header import FrameHeader, Kind
 from shoal.comm.frames import Op, Payload, Recv, SendTracker
-from shoal.comm.link import MAX_ABORT_TEXT, PeerLink, resume_handshake
+from shoal.comm.link import MAX_ABORT_TEXT, PeerLink, process_gone, resume_handshake
 from shoal.comm.matching import Matcher
 from shoal.errors import CollectiveMismatchError, PeerFailure
 
@@ -95,7 +95,7 @@ class Transport:
                 raise PeerFailure(peer, f"it refused to reconnect ({exc})") from None
             except ConnectionRefusedError as exc:
                 if refused_is_final:
-                    raise PeerFailure(peer, "its process is gone (its listener refuses connections)") from None
+                    raise process_gone(peer) from None
                 error = exc
             except OSError as exc:
                 error = exc
@@ -137,8 +137,8 @@ class Transport:
         with self._lock:
             if self.closed:
                 raise auth.AuthenticationError(f"rank {self.rank} is closing")
-            if self._matcher.failure(peer) is not None:
-                raise auth.AuthenticationError(f"rank {peer} was given up: {self._matcher.failure(peer)}")
+            if (failure := self._matcher.failure(peer)) is not None:
+                raise auth.AuthenticationError(f"rank {peer} was given up: {failure}")
 
     def _adopt(self, peer: int, sock: socket.socket, peer_port: int) -> None:
         link = PeerLink(self, peer, sock, dialer=peer < self.rank, peer_port=peer_port,
@@ -242,10 +242,6 @@ class Transport:
         error = self._matcher.peer_departed(link.rank)
         self._tell_listeners(error)
         return error
-
-    def failure(self, rank: int) -> PeerFailure | None:
-        """Why `rank` is gone (crashed or left), or None while it is a member."""
-        return self._matcher.failure(rank)
 
     def link_lost(self, rank: int, reason: str) -> PeerFailure:
         error, first = self._matcher.peer_lost(rank, reason)
