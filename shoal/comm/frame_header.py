@@ -8,6 +8,9 @@ import struct
 from typing import NamedTuple
 
 NO_SLOT = -1  # the payload follows the header on the socket, not in a shared-memory slot
+# Flag: the sender waits for this frame's acknowledgement, so the receiver sends one at once rather than
+# leaving it to the next frame or heartbeat going back (each extra frame costs a wake-up on both sides).
+ACK_NOW = 1
 
 
 class Kind(enum.IntEnum):
@@ -35,6 +38,7 @@ class FrameHeader(NamedTuple):
     slot: int = NO_SLOT  # the shared-memory slot holding the payload
     number: int = 0  # the frame's place in the link's stream (from 1; 0 for ACK and HEARTBEAT)
     ack: int = 0  # the last frame number the sender has received from us
+    flags: int = 0  # ACK_NOW
 
     @property
     def ident(self) -> tuple[int, int, int]:
@@ -53,7 +57,7 @@ class FrameHeader(NamedTuple):
         return cls(Kind(kind), *rest)
 
 
-_LAYOUT = struct.Struct("<BQIqQIBBBiQiQQ")  # in FrameHeader's field order
+_LAYOUT = struct.Struct("<BQIqQIBBBiQiQQB")  # in FrameHeader's field order
 SIZE = _LAYOUT.size
 
 

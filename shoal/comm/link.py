@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from shoal.comm import shm
-from shoal.comm.frame_header import NO_SLOT, SIZE, FrameHeader, Kind, recv_exact, send_frame
+from shoal.comm.frame_header import ACK_NOW, NO_SLOT, SIZE, FrameHeader, Kind, recv_exact, send_frame
 from shoal.comm.frames import Payload, SendTracker
 from shoal.errors import PeerFailure
 
@@ -169,7 +169,7 @@ class PeerLink:
         """Say goodbye after everything queued, then let the send thread end; `tracker` settles when
         the peer has the goodbye."""
         tracker.add()
-        self._enqueue(FrameHeader(Kind.BYE), memoryview(b""), tracker)
+        self._enqueue(FrameHeader(Kind.BYE, flags=ACK_NOW), memoryview(b""), tracker)
         self._outbox.put(None)
 
     def _send_loop(self) -> None:
@@ -350,8 +350,9 @@ class PeerLink:
         elif header.kind != Kind.BYE:
             raise ConnectionError(f"malformed frame ({header.kind.name}, {header.nbytes} bytes)")
         self.received = header.number
-        self._ack_due = True
-        self._flush_ack()
+        if header.flags & ACK_NOW:
+            self._ack_due = True
+            self._flush_ack()
         if header.kind == Kind.BYE:
             self.fail(self._owner.on_bye(self))
             return False

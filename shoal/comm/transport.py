@@ -15,7 +15,7 @@ from datetime import timedelta
 
 from shoal.backoff import attempts
 from shoal.comm import auth
-from shoal.comm.frame_header import FrameHeader, Kind
+from shoal.comm.frame_header import ACK_NOW, FrameHeader, Kind
 from shoal.comm.frames import Op, Payload, Recv, SendTracker
 from shoal.comm.link import MAX_ABORT_TEXT, PeerLink, process_gone, resume_handshake
 from shoal.comm.matching import Matcher
@@ -185,17 +185,20 @@ class Transport:
         return recv
 
     def send(self, op: Op, dst: int, sub: int, payload: memoryview, tracker: SendTracker, *,
-             eager: bool = False) -> None:
+             eager: bool = False, acknowledge: bool = True) -> None:
         """Send frame (op, sub) to `dst` without waiting; `tracker` learns when `payload` may be reused.
 
         `eager` lets the calling thread write a large frame itself when the peer's queue is idle, as
         it does small ones: right for a caller that waits for the answer anyway (RPC), wrong for one
         that has other frames to post meanwhile (the ring algorithms).
+
+        `acknowledge=False` lets the peer acknowledge the frame lazily (with whatever it sends back next,
+        or its next heartbeat): for a frame nobody waits on, whose tracker may settle late.
         """
         self._matcher.check_usable(op, dst)
         opcode, dtype, redop, root, numel = op.sig
         header = FrameHeader(Kind.DATA, len(payload), op.group, op.tag, op.seq, sub, opcode, dtype, redop, root,
-                             numel)
+                             numel, flags=ACK_NOW if acknowledge else 0)
         self._links[dst].send(header, payload, tracker, eager=eager)
 
     def wait(self, recv: Recv) -> None:

@@ -62,13 +62,15 @@ class Wire:
         op = Op(RPC_GROUP, _tag(kind, len(payload.tensors)), msg_id, _SIGNATURE, (dst,), self._stall_timeout,
                 "rpc", lambda sig: "an RPC message")
         tracker = SendTracker()
+        # Acknowledgements are cumulative: the body's covers the tensor frames before it. Only a message
+        # with tensors is waited on below; the rest are acknowledged by what comes back.
         for sub, tensor in enumerate(payload.tensors, start=1):
-            self.transport.send(op, dst, sub, as_bytes(tensor), tracker, eager=True)
-        self.transport.send(op, dst, 0, memoryview(body), tracker, eager=True)
+            self.transport.send(op, dst, sub, as_bytes(tensor), tracker, eager=True, acknowledge=False)
+        self.transport.send(op, dst, 0, memoryview(body), tracker, eager=True, acknowledge=bool(payload.tensors))
         if payload.tensors:
-            # Tensor frames are sent from the tensors' own memory: return only once it has been
-            # read, so that a caller (or a callee whose result is a live parameter) may change
-            # them in place at once. Usually written already, by this thread (eager).
+            # Tensor frames are sent from the tensors' own memory: return only once the peer has them,
+            # so that a caller (or a callee whose result is a live parameter) may change them in place
+            # at once (and a replay after a dropped connection still sends what was sent).
             tracker.wait(time.monotonic() + self._stall_timeout.total_seconds(), f"RPC message {msg_id}")
 
     def forget(self, rank: int) -> None:
