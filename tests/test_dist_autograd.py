@@ -363,7 +363,7 @@ def _originator_dies_mid_backward(rank: int, world: int, port: int) -> dict:
         return {}
     deadline = time.monotonic() + 30
     # Wait until w2 has used this worker in a context and then died, which ends that context here.
-    while (not rpc.api.current_agent()._gone or len(contexts)) and time.monotonic() < deadline:
+    while (not rpc.api.current_agent().is_lost("w2") or len(contexts)) and time.monotonic() < deadline:
         time.sleep(0.01)
     alive = len(contexts)
     rpc.shutdown()

@@ -14,7 +14,6 @@ import torch
 
 import shoal
 import shoal.distributed as dist
-from shoal.comm import api as comm_api
 from shoal.comm import auth, rendezvous
 from shoal.comm.store import Store
 from shoal.comm.transport import Transport
@@ -39,7 +38,7 @@ def _killed_mid_collective(rank: int, world: int) -> tuple[str, int | None, str]
         outcome = (*first, type(exc).__name__)
     # Stay until the other survivor has seen the failure too, or its first error could name us. Rank 0
     # serves the store, so rank 2's last store call is a set: rank 0 cannot leave while rank 2 still waits.
-    store = comm_api._world.store
+    store = dist.default_group().store
     if rank == 0:
         store.set("survived/0", True)
         store.wait(["survived/2"], timeout=timedelta(seconds=30))
@@ -108,7 +107,7 @@ def _dropped(sock: socket.socket) -> bool:
 
 def _intruders(rank: int, world: int) -> float:
     if rank == 0:
-        host, port = comm_api._world.transport.address
+        host, port = dist.default_group().transport.address
         with socket.create_connection((host, port), timeout=10) as garbage:
             garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + secrets.token_bytes(64))
             assert _dropped(garbage), "garbage greeting was not rejected"
@@ -205,7 +204,7 @@ def _join(index: int, world: int, port: int, claims: list[tuple[int, int]], ling
                           timeout=timedelta(seconds=10)).set("refused", index)
         return f"{type(exc).__name__}: {exc}"
     if linger:  # rank 0 serves the store: it stays up until the refused process and rank 1 are done with it
-        store = comm_api._world.store.raw
+        store = dist.default_group().store.raw
         store.wait(["refused"], timedelta(seconds=30))
         if rank == 0:
             store.wait(["released"], timedelta(seconds=30))

@@ -139,6 +139,10 @@ class RpcAgent:
             return self._workers[to]
         raise TypeError(f"a worker is named by its name, rank or WorkerInfo, not {type(to).__name__}")
 
+    def is_lost(self, to: To) -> bool:
+        """Whether worker `to` has crashed or left: calls to it fail at once with PeerFailure."""
+        return self.worker(to).id in self._gone
+
     def new_id(self) -> tuple[int, int]:
         """An id no other worker can draw: (our rank, a number)."""
         return (self.rank, next(self._ids))

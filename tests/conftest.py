@@ -1,0 +1,57 @@
+"""Fixtures shared by the test files: a guard that fails any test leaving a process of its own running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+# Children that multiprocessing keeps for the whole session by design, not started by any one test.
+_SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+_EXIT_GRACE_S = 5.0
+
+
+def _running_children() -> dict[int, str]:
+    """This process's children that still run (an exited child not yet waited for is left out), with
+    their command lines."""
+    me = str(os.getpid())
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+            if parent != me or state in ("Z", "X"):
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError):
+            continue  # it ended while we looked
+        if not any(helper in command for helper in _SESSION_HELPERS):
+            found[int(entry)] = command
+    return found
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_process_behind() -> Iterator[None]:
+    """Every test cleans up the processes it starts: one still running after the test (and a short grace
+    for those on their way out) is killed, and the test fails naming it."""
+    if not os.path.isdir("/proc/self"):
+        yield
+        return
+    before = set(_running_children())
+    yield
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    while (left := {pid: cmd for pid, cmd in _running_children().items() if pid not in before}) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"the test left processes running: {left}"
