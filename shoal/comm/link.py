@@ -334,8 +334,7 @@ class PeerLink:
         finally:
             if self._gone is None:  # closing: nothing more will be acknowledged
                 self.fail(PeerFailure(self.rank, "the connection was closed"))
-            for sock in [*self._retired, self._sock]:
-                sock.close()
+            self._close_sockets()
 
     def _take(self, header: FrameHeader) -> bool:
         """Act on one new numbered frame; False once the peer has said goodbye."""
@@ -534,6 +533,17 @@ class PeerLink:
         for frame in frames:
             if frame.tracker is not None:
                 frame.tracker.settle(error)
+
+    def _close_sockets(self) -> None:
+        """Close every connection the link had. Under the write lock, after shutting them down to wake a
+        writer blocked on one: a writer must not be holding a descriptor number that closing frees for
+        another socket to take."""
+        sockets = [*self._retired, self._sock]
+        for sock in sockets:
+            _shut(sock)
+        with self._write_lock:
+            for sock in sockets:
+                sock.close()
 
     def shutdown(self, how: int) -> None:
         """Shut the socket down (wakes a reader blocked on it); an already closed one is fine."""
