@@ -3,6 +3,7 @@ shoal feature also runs on PyTorch's own engine by changing one argument."""
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -25,6 +26,15 @@ _TORCH_OPS = {
     ReduceOp.MAX: tdist.ReduceOp.MAX,
 }
 _PEER_LOST_HINTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# A torch backend's worker thread drops its reference to an operation just after completing it. If that
+# is the last reference, it frees the operation's tensors there, which takes the GIL; once the interpreter
+# is finalizing, taking the GIL ends the thread inside C++ and aborts the process ("terminate called
+# without an active exception"). Torch keeps process groups alive past destroy_process_group once
+# torch._dynamo is imported (torch.optim does), so their threads run on to the very end. We therefore
+# hold the last operations of each group, and at shutdown hand them to this list, which only the
+# interpreter's own teardown frees, on its main thread: a worker's drop is then never the last.
+_RECENT_OPS = 8
+_held_until_exit: list = []
 
 
 class _TorchWork(Work):
@@ -68,6 +78,7 @@ class C10dProcessGroup(ProcessGroup):
         self.backend = backend
         self._pg = pg
         self._is_world = is_world
+        self._recent: collections.deque = collections.deque(maxlen=_RECENT_OPS)  # see _held_until_exit
 
     @classmethod
     def create(cls, backend: str, store: Store, rank: int, world_size: int,
@@ -81,6 +92,7 @@ class C10dProcessGroup(ProcessGroup):
         return cls(backend, tdist.group.WORLD, range(world_size), rank, timeout, is_world=True)
 
     def _wrap(self, name: str, work, then: Callable[[], None] = lambda: None) -> Work:
+        self._recent.append(work)
         return _TorchWork(name, self.timeout, work, then)
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Work:
@@ -166,5 +178,7 @@ class C10dProcessGroup(ProcessGroup):
                                 is_world=False)
 
     def shutdown(self) -> None:
+        _held_until_exit.extend(self._recent)
+        self._recent.clear()
         if tdist.is_initialized():
             tdist.destroy_process_group(None if self._is_world else self._pg)
