@@ -16,7 +16,6 @@ import torch
 import shoal
 import shoal.distributed as dist
 from shoal import rpc
-from shoal.comm.api import default_group
 from tests.ranks import run_ranks
 
 
@@ -42,7 +41,7 @@ class _Chaos:
 
 def _collectives_under_resets(rank: int, world: int) -> dict:
     peers = [r for r in range(world) if r != rank]
-    chaos = _Chaos(default_group().transport, peers, seed=rank, pause=(0.005, 0.05))
+    chaos = _Chaos(dist.default_group().transport, peers, seed=rank, pause=(0.005, 0.05))
     checked = 0
     try:
         for i in range(12):
@@ -79,6 +78,41 @@ def test_collectives_survive_random_connection_resets(world: int) -> None:
     out = run_ranks(_collectives_under_resets, world, timeout=180)
     assert all(o["checked"] == 12 * 6 for o in out.values()), out
     assert sum(o["severed"] for o in out.values()) >= 20, out  # the drops really happened
+
+
+def _train(steps: int, rank: int) -> list[torch.Tensor]:
+    from shoal.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512),
+                              torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    ddp = DistributedDataParallel(net, bucket_cap_mb=0.5)  # several buckets, all-reduced during backward
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x, y = torch.randn(32, 256, generator=data), torch.randint(0, 10, (32,), generator=data)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def _ddp_under_resets(rank: int, world: int) -> dict:
+    calm = _train(15, rank)
+    peers = [r for r in range(world) if r != rank]
+    chaos = _Chaos(dist.default_group().transport, peers, seed=rank, pause=(0.005, 0.03))
+    try:
+        stormy = _train(15, rank)
+    finally:
+        severed = chaos.stop()
+    dist.barrier()
+    return {"equal": all(torch.equal(a, b) for a, b in zip(calm, stormy, strict=True)), "severed": severed}
+
+
+def test_ddp_training_under_resets_equals_a_fault_free_run_bit_for_bit() -> None:
+    out = run_ranks(_ddp_under_resets, 4, timeout=240)
+    assert all(o["equal"] for o in out.values()), out
+    assert sum(o["severed"] for o in out.values()) >= 20, out
 
 
 _calls = 0

@@ -1,0 +1,85 @@
+"""Two ranks on two hosts (network namespaces joined by a veth pair) while the link between them goes
+down: a short outage, even one that resets the connection, heals and every all-reduce comes out right;
+an outage longer than the heal and heartbeat deadlines ends in PeerFailure on both sides, not a hang.
+
+Needs root and `ip netns` (the `two_hosts` fixture); skips elsewhere."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TwoHosts
+
+SCRIPT = Path(__file__).parent / "scripts" / "all_reduce_until_stopped.py"
+PORT = 29500  # each host is a namespace of its own: no other process can hold this port there
+
+
+def _progress(workdir: Path) -> int:
+    """Rounds both ranks have finished."""
+    counts = []
+    for rank in (0, 1):
+        try:
+            counts.append(int((workdir / f"progress{rank}").read_text()))
+        except (FileNotFoundError, ValueError):  # not yet written, or caught mid-write
+            counts.append(0)
+    return min(counts)
+
+
+def _wait_for(condition: Callable[[], bool], what: str, ranks: list[subprocess.Popen], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout:g}s")
+        if any(p.poll() not in (None, 0) for p in ranks):
+            raise AssertionError(f"a rank died: {[p.stderr.read().decode()[-2000:] for p in ranks if p.poll()]}")
+        time.sleep(0.05)
+
+
+def _run_outage(hosts: TwoHosts, workdir: Path, *, down_s: float, reset: int | None,
+                env: dict[str, str]) -> tuple[int, list[dict]]:
+    """Run rank r on host r, take the link down for `down_s` once they are under way (resetting host
+    `reset`'s connections meanwhile), and let them finish. Returns (rounds before the outage, results)."""
+    env = {"SHOAL_SECRET": "link-outage-test", "SHOAL_SHM": "0", **env}  # hosts share no memory
+    ranks = [hosts.start(rank, [str(SCRIPT), str(rank), hosts.addresses[0], str(PORT), str(workdir)], env)
+             for rank in (0, 1)]
+    try:
+        _wait_for(lambda: _progress(workdir) >= 3, "three rounds before the outage", ranks)
+        before = _progress(workdir)
+        hosts.link("down")
+        if reset is not None:
+            assert hosts.reset_connections(reset) >= 1, "no connection to reset"
+        time.sleep(down_s)
+        hosts.link("up")
+        ended = lambda: all((workdir / f"result{r}.json").exists() for r in (0, 1))  # noqa: E731
+        _wait_for(lambda: ended() or _progress(workdir) >= before + 5, "five rounds after the outage", ranks)
+        (workdir / "stop").touch()
+        for p in ranks:
+            p.wait(timeout=60)
+        return before, [json.loads((workdir / f"result{r}.json").read_text()) for r in (0, 1)]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("reset", [None, 0, 1], ids=["no-reset", "reset-on-the-listening-side",
+                                                     "reset-on-the-dialling-side"])
+def test_a_one_second_outage_heals(two_hosts: TwoHosts, tmp_path: Path, reset: int | None) -> None:
+    before, results = _run_outage(two_hosts, tmp_path, down_s=1.0, reset=reset, env={})
+    for rank, result in enumerate(results):
+        assert result["outcome"] == "stopped", (rank, result)
+        assert result["rounds"] >= before + 5, (rank, result, before)
+
+
+def test_an_outage_past_the_deadlines_is_a_peer_failure_on_both_sides(two_hosts: TwoHosts, tmp_path: Path) -> None:
+    _, results = _run_outage(two_hosts, tmp_path, down_s=5.0, reset=0,
+                             env={"SHOAL_HEAL_TIMEOUT": "2", "SHOAL_HEARTBEAT_TIMEOUT": "2"})
+    for rank, result in enumerate(results):
+        assert result["outcome"].startswith(f"PeerFailure: rank {1 - rank}"), (rank, result)
