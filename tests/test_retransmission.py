@@ -110,7 +110,7 @@ def _ddp_under_resets(rank: int, world: int) -> dict:
 
 
 def test_ddp_training_under_resets_equals_a_fault_free_run_bit_for_bit() -> None:
-    out = run_ranks(_ddp_under_resets, 4, timeout=240)
+    out = run_ranks(_ddp_under_resets, 4, timeout=100)
     assert all(o["equal"] for o in out.values()), out
     assert sum(o["severed"] for o in out.values()) >= 20, out
 

@@ -26,15 +26,16 @@ _TORCH_OPS = {
     ReduceOp.MAX: tdist.ReduceOp.MAX,
 }
 _PEER_LOST_HINTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-# A torch backend's worker thread drops its reference to an operation just after completing it. If that
-# is the last reference, it frees the operation's tensors there, which takes the GIL; once the interpreter
-# is finalizing, taking the GIL ends the thread inside C++ and aborts the process ("terminate called
-# without an active exception"). Torch keeps process groups alive past destroy_process_group once
-# torch._dynamo is imported (torch.optim does), so their threads run on to the very end. We therefore
-# hold the last operations of each group, and at shutdown hand them to this list, which only the
-# interpreter's own teardown frees, on its main thread: a worker's drop is then never the last.
+# A Gloo worker thread drops its reference to an operation just after completing it. If that is the last
+# reference, it frees the operation's tensors there, which takes the GIL; once the interpreter is
+# finalizing, taking the GIL ends the thread inside C++ and aborts the process ("terminate called without
+# an active exception"). Torch keeps process groups alive past destroy_process_group once torch._dynamo
+# is imported (torch.optim does), so their threads run on to the very end. Each Gloo group therefore
+# holds its last operations (more than its two workers can be finishing at once), and at shutdown hands
+# them to this list, which only the interpreter's own teardown frees, on its main thread: a worker's
+# drop of a recent operation is then not the last. An operation still running at exit is not covered.
 _RECENT_OPS = 8
-_held_until_exit: list = []
+_held_until_exit: collections.deque = collections.deque(maxlen=4 * _RECENT_OPS)
 
 
 class _TorchWork(Work):
@@ -78,7 +79,8 @@ class C10dProcessGroup(ProcessGroup):
         self.backend = backend
         self._pg = pg
         self._is_world = is_world
-        self._recent: collections.deque = collections.deque(maxlen=_RECENT_OPS)  # see _held_until_exit
+        # See _held_until_exit (seen with Gloo; NCCL's teardown is its own).
+        self._recent: collections.deque | None = collections.deque(maxlen=_RECENT_OPS) if backend == "gloo" else None
 
     @classmethod
     def create(cls, backend: str, store: Store, rank: int, world_size: int,
@@ -92,7 +94,8 @@ class C10dProcessGroup(ProcessGroup):
         return cls(backend, tdist.group.WORLD, range(world_size), rank, timeout, is_world=True)
 
     def _wrap(self, name: str, work, then: Callable[[], None] = lambda: None) -> Work:
-        self._recent.append(work)
+        if self._recent is not None:
+            self._recent.append(work)
         return _TorchWork(name, self.timeout, work, then)
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Work:
@@ -178,7 +181,8 @@ class C10dProcessGroup(ProcessGroup):
                                 is_world=False)
 
     def shutdown(self) -> None:
-        _held_until_exit.extend(self._recent)
-        self._recent.clear()
+        recent, self._recent = self._recent, None
+        if recent is not None:
+            _held_until_exit.extend(recent)
         if tdist.is_initialized():
             tdist.destroy_process_group(None if self._is_world else self._pg)

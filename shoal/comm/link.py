@@ -535,10 +535,11 @@ class PeerLink:
                 frame.tracker.settle(error)
 
     def _close_sockets(self) -> None:
-        """Close every connection the link had. Under the write lock, after shutting them down to wake a
-        writer blocked on one: a writer must not be holding a descriptor number that closing frees for
-        another socket to take."""
-        sockets = [*self._retired, self._sock]
+        """Close every connection the link had: shut down first, which wakes a writer blocked on one (closing
+        would not), then closed under the write lock, so that no writer is between reading a descriptor
+        number and using it when closing frees that number for another socket."""
+        with self._state:
+            sockets, self._retired = [*self._retired, self._sock], []
         for sock in sockets:
             _shut(sock)
         with self._write_lock:

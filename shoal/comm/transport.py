@@ -24,6 +24,9 @@ from shoal.errors import CollectiveMismatchError, PeerFailure
 log = logging.getLogger(__name__)
 
 _HANDSHAKE_TIMEOUT_S = 10.0
+# One connection attempt gives up after this and the next begins: a SYN lost while the network was down
+# is otherwise sent again only after 1, 3, 7... s, long after the network is back.
+_CONNECT_ATTEMPT_S = 1.0
 _SOCKET_BUFFER = 4 << 20
 # How long close() reads on for the goodbyes of peers closing at the same time, before it stops
 # reading the rest: reading them out spares those peers a connection reset.
@@ -83,7 +86,8 @@ class Transport:
         error: OSError | None = None
         for _ in attempts(deadline):  # the peer's listener may not be up yet, or the network may be down
             try:
-                sock = socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))
+                sock = socket.create_connection(address, timeout=min(_CONNECT_ATTEMPT_S,
+                                                                     max(0.1, deadline - time.monotonic())))
                 sock.settimeout(min(_HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
                 auth.client_handshake(sock, self._secret, self._session, my_rank=self.rank, peer_rank=peer)
                 peer_received, _ = resume_handshake(sock, received, self.address[1])

@@ -1,0 +1,95 @@
+"""Two hosts on one machine: network namespaces joined by a veth pair, for tests of what the network
+between ranks does (a cable pulled, connections reset). Needs root, `ip` and `ss`."""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@functools.cache
+def namespaces_missing() -> str | None:
+    """Why two hosts cannot be built here, or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root to build two hosts from network namespaces"
+    if shutil.which("ip") is None or shutil.which("ss") is None:
+        return "needs the ip and ss commands (iproute2) to build two hosts from network namespaces"
+    probe = TwoHosts(_names("probe"), _names("pv"))
+    try:
+        probe.connect()
+        subprocess.run(["ip", "netns", "exec", probe.namespaces[0], "true"], check=True, capture_output=True,
+                       timeout=10)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        stderr = exc.stderr.decode(errors="replace").strip() if exc.stderr else ""
+        return f"network namespaces joined by veth are not available here: {stderr or exc}"
+    finally:
+        probe.tear_down()
+    return None
+
+
+def _names(prefix: str) -> tuple[str, str]:
+    tag = secrets.token_hex(3)  # unique across runs and containers: nothing left behind collides
+    return f"{prefix}a{tag}", f"{prefix}b{tag}"
+
+
+@dataclass
+class TwoHosts:
+    """Host 0 at `addresses[0]` and host 1 at `addresses[1]`, each a network namespace; `devices` are the
+    two ends of the cable between them."""
+
+    namespaces: tuple[str, str]
+    devices: tuple[str, str]
+    addresses: tuple[str, str] = ("10.213.0.1", "10.213.0.2")
+
+    @classmethod
+    def build(cls) -> TwoHosts:
+        hosts = cls(_names("shoal-"), _names("sh"))
+        try:
+            hosts.connect()
+        except BaseException:
+            hosts.tear_down()
+            raise
+        return hosts
+
+    def connect(self) -> None:
+        for ns in self.namespaces:
+            _ip("netns", "add", ns)
+        _ip("link", "add", self.devices[0], "netns", self.namespaces[0], "type", "veth",
+            "peer", "name", self.devices[1], "netns", self.namespaces[1])
+        for ns, dev, address in zip(self.namespaces, self.devices, self.addresses, strict=True):
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def tear_down(self) -> None:
+        """Delete both namespaces (each takes its end of the cable, and so the cable, with it)."""
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+    def start(self, host: int, argv: list[str], env: dict[str, str], stderr) -> subprocess.Popen:
+        """Run `python argv...` on `host`, its standard error to `stderr` (a file)."""
+        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], sys.executable, *argv],
+                                env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=stderr)
+
+    def link(self, state: str) -> None:
+        """Take host 0's end of the cable "down" or bring it "up"."""
+        _ip("-n", self.namespaces[0], "link", "set", self.devices[0], state)
+
+    def reset_connections(self, host: int, spare_port: int) -> int:
+        """Abort every TCP connection `host` has to the other host except those on `spare_port`, as a
+        failing network device would (the reset reaches the other side only while the link is up);
+        returns how many there were."""
+        listing = subprocess.run(["ip", "netns", "exec", self.namespaces[host], "ss", "-K", "-H", "-t", "dst",
+                                  self.addresses[1 - host], "and", "not", "sport", "=", f":{spare_port}", "and",
+                                  "not", "dport", "=", f":{spare_port}"],
+                                 check=True, capture_output=True, timeout=10, text=True)
+        return len(listing.stdout.splitlines())
