@@ -34,12 +34,11 @@ def _worker(rank: int, port: int, resets: int, results) -> None:
     import torch
 
     import shoal.distributed as dist
-    from shoal.comm.api import default_group
 
     torch.set_num_threads(1)
     dist.init_process_group("shoal", f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
-    transport = default_group().transport
+    transport = dist.default_group().transport
     rng = random.Random(rank)
     times: dict[bool, list[float]] = {False: [], True: []}
     wrong = 0

@@ -24,6 +24,14 @@ def _matcher() -> tuple[Matcher, list]:
     return matcher, aborted
 
 
+def _in_op() -> tuple[Matcher, list, Op]:
+    """A matcher in which one op (the default `_op()`) has begun, and the errors it aborted ops with."""
+    matcher, aborted = _matcher()
+    op = _op()
+    matcher.begin(op)
+    return matcher, aborted, op
+
+
 def _deliver(matcher: Matcher, op: Op, data: bytes, sig: tuple = SIG) -> None:
     arrival = matcher.arrive(1, op.ident, 0, sig, len(data))
     arrival.view[:] = data
@@ -38,9 +46,7 @@ def _post(matcher: Matcher, op: Op, nbytes: int = 16) -> tuple[Recv, bytearray]:
 
 
 def test_a_posted_receive_gets_the_frame_in_its_own_buffer() -> None:
-    matcher, _ = _matcher()
-    op = _op()
-    matcher.begin(op)
+    matcher, _, op = _in_op()
     recv, buffer = _post(matcher, op)
     arrival = matcher.arrive(1, op.ident, 0, SIG, 16)
     assert arrival.view.obj is buffer  # zero-copy: the frame is read straight into the posted buffer
@@ -50,18 +56,14 @@ def test_a_posted_receive_gets_the_frame_in_its_own_buffer() -> None:
 
 
 def test_a_frame_that_comes_first_is_held_until_its_receive_is_posted() -> None:
-    matcher, _ = _matcher()
-    op = _op()
-    matcher.begin(op)
+    matcher, _, op = _in_op()
     _deliver(matcher, op, bytes(range(16)))
     recv, buffer = _post(matcher, op)
     assert recv.event.is_set() and recv.error is None and bytes(buffer) == bytes(range(16))
 
 
 def test_a_receive_posted_while_its_frame_is_read_in_gets_it_when_complete() -> None:
-    matcher, _ = _matcher()
-    op = _op()
-    matcher.begin(op)
+    matcher, _, op = _in_op()
     arrival = matcher.arrive(1, op.ident, 0, SIG, 16)
     recv, buffer = _post(matcher, op)
     assert not recv.event.is_set()
@@ -71,9 +73,7 @@ def test_a_receive_posted_while_its_frame_is_read_in_gets_it_when_complete() -> 
 
 
 def test_a_frame_withdrawn_while_it_is_read_in_is_dropped_quietly() -> None:
-    matcher, aborted = _matcher()
-    op = _op()
-    matcher.begin(op)
+    matcher, aborted, op = _in_op()
     arrival = matcher.arrive(1, op.ident, 0, SIG, 16)
     recv, buffer = _post(matcher, op)
     matcher.end(op)  # a mismatch elsewhere ended the op while the frame was still coming in
@@ -85,9 +85,7 @@ def test_a_frame_withdrawn_while_it_is_read_in_is_dropped_quietly() -> None:
 
 @pytest.mark.parametrize("posted_first", [True, False])
 def test_a_frame_of_another_collective_aborts_the_op(posted_first: bool) -> None:
-    matcher, aborted = _matcher()
-    op = _op()
-    matcher.begin(op)
+    matcher, aborted, op = _in_op()
     other = (2, 0, 0, 0, 4)  # a broadcast where we called an all-reduce
     if posted_first:
         recv, _ = _post(matcher, op)
@@ -109,9 +107,7 @@ def test_a_frame_of_another_size_is_named_as_such() -> None:
 
 
 def test_a_lost_peer_fails_what_waits_on_it_and_what_it_takes_part_in() -> None:
-    matcher, _ = _matcher()
-    op = _op()
-    matcher.begin(op)
+    matcher, _, op = _in_op()
     recv, _ = _post(matcher, op)
     error, first = matcher.peer_lost(1, "connection lost")
     assert first and recv.error is error and isinstance(error, PeerFailure) and error.rank == 1
@@ -121,9 +117,7 @@ def test_a_lost_peer_fails_what_waits_on_it_and_what_it_takes_part_in() -> None:
 
 
 def test_a_departed_peer_still_delivers_what_it_sent_before_leaving() -> None:
-    matcher, _ = _matcher()
-    op = _op()
-    matcher.begin(op)
+    matcher, _, op = _in_op()
     _deliver(matcher, op, bytes(range(16)))
     matcher.peer_departed(1)
     recv, buffer = _post(matcher, op)
