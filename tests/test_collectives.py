@@ -112,10 +112,12 @@ def _everything(rank: int, world: int, backend: str) -> int:
     return _all_reduce_cases(rank, world, backend) + _rooted_and_gathering_cases(rank, world)
 
 
-@pytest.mark.parametrize("backend", ["shoal", "gloo"])
+# "shoal" takes shared memory between ranks on one host; SHOAL_SHM=0 keeps it to the ring, as between hosts.
+@pytest.mark.parametrize(("backend", "env"), [("shoal", {}), ("shoal", {"SHOAL_SHM": "0"}), ("gloo", {})],
+                         ids=["shoal", "shoal-ring", "gloo"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_collectives_match_reference(backend: str, world: int) -> None:
-    counts = run_ranks(_everything, world, backend, backend=backend, timeout=300)
+def test_collectives_match_reference(backend: str, env: dict[str, str], world: int) -> None:
+    counts = run_ranks(_everything, world, backend, backend=backend, timeout=300, env=env)
     assert len(set(counts.values())) == 1 and counts[0] > 0
 
 

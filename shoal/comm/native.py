@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import torch
 
-from shoal.comm import dtypes, ring
+from shoal.comm import dtypes, placement, ring, routing
 from shoal.comm.frames import Op, Recv, SendTracker, Signature
 from shoal.comm.group import ProcessGroup
 from shoal.comm.reduce_op import ReduceOp
@@ -56,21 +56,27 @@ class _OpChannel:
 
     def __init__(self, group: ShoalProcessGroup, op: Op) -> None:
         self.rank, self.size = group.rank, group.size
-        self._group, self._op = group, op
+        self._group, self.op = group, op
         self._transport = group.transport
         self._tracker = SendTracker()
 
     def recv(self, src: int, sub: int, view: memoryview, process: Callable[[], None] | None = None) -> Recv:
-        return self._transport.post_recv(self._op, self._group.ranks[src], sub, view, process=process)
+        return self._transport.post_recv(self.op, self._group.ranks[src], sub, view, process=process)
 
     def wait(self, handle: Recv) -> None:
         self._transport.wait(handle)
 
     def send(self, dst: int, sub: int, view: memoryview) -> None:
-        self._transport.send(self._op, self._group.ranks[dst], sub, view, self._tracker)
+        self._transport.send(self.op, self._group.ranks[dst], sub, view, self._tracker)
 
     def flush(self) -> None:
-        self._tracker.wait(self._op.deadline, self._op.name)
+        self._tracker.wait(self.op.deadline, self.op.name)
+
+    def check(self) -> None:
+        self._transport.check(self.op)
+
+    def abort(self, error: BaseException) -> None:
+        self._transport.abort(self.op, error)
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         return self._group.scratch(nbytes)
@@ -93,6 +99,7 @@ class ShoalProcessGroup(ProcessGroup):
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._broken: BaseException | None = None
         self._owns_transport = owns_transport
+        self._placement: placement.Placement | None = None
 
     @classmethod
     def create(cls, store: Store, rank: int, world_size: int, timeout: timedelta,
@@ -116,6 +123,27 @@ class ShoalProcessGroup(ProcessGroup):
         if self._scratch.numel() < nbytes:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch[:nbytes]
+
+    @property
+    def hosts(self) -> tuple[tuple[int, ...], ...] | None:
+        """The group's global ranks by host (ranks that share memory), once a collective has found them."""
+        if self._placement is None:
+            return None
+        return tuple(tuple(self.ranks[r] for r in host) for host in self._placement.hosts)
+
+    def _place(self, ch: _OpChannel) -> placement.Placement:
+        """Where the group's ranks are, found in the first collective that needs to know."""
+        if self._placement is None:
+            self._placement = placement.alone() if self.size == 1 else placement.discover(ch, self.ranks)
+        return self._placement
+
+    def _routed(self, route: Callable[..., None], *args: object) -> Callable[[_OpChannel], None]:
+        """The body of a collective whose path `route` (in routing.py) picks from the group's placement."""
+        return lambda ch: route(ch, self._place(ch), *args)
+
+    def _over_ring(self, algorithm: Callable[..., None], *args: object) -> Callable[[_OpChannel], None]:
+        """The body of a collective that always runs on the ring."""
+        return lambda ch: routing.on_ring(ch, self._place(ch), lambda: algorithm(ch, *args))
 
     # ---- collectives -------------------------------------------------------------------------
 
@@ -160,43 +188,43 @@ class ShoalProcessGroup(ProcessGroup):
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Work:
         flat, back = _staged(tensor)
-        return self._collective("all_reduce", flat, lambda ch: ring.all_reduce(ch, flat, op),
-                                redop=op, finish=back, blocking=blocking)
+        return self._collective("all_reduce", flat, self._routed(routing.all_reduce, flat, op), redop=op,
+                                finish=back, blocking=blocking)
 
     def _start_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool) -> Work:
         flat, back = _staged(tensor)
-        return self._collective("broadcast", flat, lambda ch: ring.broadcast(ch, flat, src), root=src,
+        return self._collective("broadcast", flat, self._routed(routing.broadcast, flat, src), root=src,
                                 finish=back, blocking=blocking)
 
     def _start_reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, blocking: bool) -> Work:
         flat, back = _staged(tensor)
-        return self._collective("reduce", flat, lambda ch: ring.reduce(ch, flat, op, dst), redop=op,
+        return self._collective("reduce", flat, self._over_ring(ring.reduce, flat, op, dst), redop=op,
                                 root=dst, finish=back if self.rank == dst else lambda: None, blocking=blocking)
 
     def _start_all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor, blocking: bool) -> Work:
         mine, _ = _staged(tensor)
         staged = [_staged(t) for t in outs]
         flats = [f for f, _ in staged]
-        return self._collective("all_gather", mine, lambda ch: ring.all_gather(ch, flats, mine),
+        return self._collective("all_gather", mine, self._routed(routing.all_gather, flats, mine),
                                 finish=_all(back for _, back in staged), blocking=blocking)
 
     def _start_gather(self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, blocking: bool) -> Work:
         mine, _ = _staged(tensor)
         staged = [_staged(t) for t in outs] if outs is not None else []
         flats = [f for f, _ in staged] if outs is not None else None
-        return self._collective("gather", mine, lambda ch: ring.gather(ch, flats, mine, dst), root=dst,
+        return self._collective("gather", mine, self._over_ring(ring.gather, flats, mine, dst), root=dst,
                                 finish=_all(back for _, back in staged), blocking=blocking)
 
     def _start_scatter(self, tensor: torch.Tensor, ins: list[torch.Tensor] | None, src: int, blocking: bool) -> Work:
         out, back = _staged(tensor)
         blocks = [_staged(t)[0] for t in ins] if ins is not None else None
-        return self._collective("scatter", out, lambda ch: ring.scatter(ch, out, blocks, src), root=src,
+        return self._collective("scatter", out, self._over_ring(ring.scatter, out, blocks, src), root=src,
                                 finish=back, blocking=blocking)
 
     def _start_reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
         flat, back = _staged(out)
         blocks = [_staged(t)[0] for t in ins]
-        return self._collective("reduce_scatter", flat, lambda ch: ring.reduce_scatter(ch, flat, blocks, op),
+        return self._collective("reduce_scatter", flat, self._routed(routing.reduce_scatter, flat, blocks, op),
                                 redop=op, finish=back, blocking=blocking)
 
     def _start_all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], blocking: bool) -> Work:
@@ -204,11 +232,11 @@ class ShoalProcessGroup(ProcessGroup):
         flats = [f for f, _ in staged]
         blocks = [_staged(t)[0] for t in ins]
         # Sizes may differ per pair of ranks, so the signature carries none; each frame's length is checked.
-        return self._collective("all_to_all", blocks[0], lambda ch: ring.all_to_all(ch, flats, blocks),
+        return self._collective("all_to_all", blocks[0], self._over_ring(ring.all_to_all, flats, blocks),
                                 numel=0, finish=_all(back for _, back in staged), blocking=blocking)
 
     def _start_barrier(self, blocking: bool) -> Work:
-        return self._collective("barrier", None, ring.barrier, blocking=blocking)
+        return self._collective("barrier", None, self._routed(routing.barrier), blocking=blocking)
 
     # ---- point to point ----------------------------------------------------------------------
 
@@ -270,6 +298,7 @@ class ShoalProcessGroup(ProcessGroup):
 
     def shutdown(self) -> None:
         self._queue.close(self.timeout)
+        self._placement = None  # our arena's memory goes once the peers have let go of it too
         if self._owns_transport:
             self.transport.close(self.timeout)
 

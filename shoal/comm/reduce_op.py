@@ -31,6 +31,17 @@ def combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
         raise ValueError(f"unknown reduce op {op!r}")
 
 
+_OUT_OF_PLACE = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
+                 ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum}
+
+
+def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: ReduceOp) -> None:
+    """out <- parts[0] (op) parts[1] (op) ..., in that order (AVG sums); one pass for the first two."""
+    _OUT_OF_PLACE[op](parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        combine_(out, part, op)
+
+
 def finish_(acc: torch.Tensor, op: ReduceOp, world_size: int) -> None:
     """Turn a sum into a mean for AVG; integers round toward zero, as NCCL's integer AVG does."""
     if op != ReduceOp.AVG or world_size == 1:

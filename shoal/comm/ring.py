@@ -48,7 +48,7 @@ def as_bytes(flat: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def _split(total: int, parts: int) -> list[int]:
+def split(total: int, parts: int) -> list[int]:
     """Offsets cutting `total` into `parts` runs whose lengths differ by at most one."""
     base, extra = divmod(total, parts)
     offsets = [0]
@@ -66,7 +66,7 @@ class _Layout:
         lengths = [b - a for a, b in itertools.pairwise(bounds)]
         self.max_segment = max(lengths)
         self.chunks = max(1, math.ceil(self.max_segment * flat.element_size() / CHUNK_BYTES))
-        self._cuts = [_split(n, self.chunks) for n in lengths]
+        self._cuts = [split(n, self.chunks) for n in lengths]
 
     def segment(self, k: int) -> torch.Tensor:
         return self.flat[self.bounds[k]:self.bounds[k + 1]]
@@ -151,7 +151,7 @@ def all_reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp) -> None:
                 ch.send(dst, 0, mine)
         exchange.finish(op)
         return
-    layout = _Layout(flat, _split(flat.numel(), n))
+    layout = _Layout(flat, split(flat.numel(), n))
     chunks, right, left = layout.chunks, (me + 1) % n, (me - 1) % n
     base = (n - 1) * chunks  # all-gather frames are numbered after the reduce-scatter ones
 
@@ -216,7 +216,7 @@ def reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp, dst: int) -> None:
             ch.flush()
         return
     work = flat if me == dst else flat.clone()
-    layout = _Layout(work, _split(work.numel(), n))
+    layout = _Layout(work, split(work.numel(), n))
     base = (n - 1) * layout.chunks
     # Safe to post before the reduce-scatter: segment k can only come back from rank k after our
     # own contribution to it has been sent on.

@@ -176,6 +176,10 @@ class Transport:
         """Register a collective so that frames disagreeing with it are caught as they arrive."""
         self._matcher.begin(op)
 
+    def check(self, op: Op) -> None:
+        """Raise if `op` can no longer complete: a rank taking part failed, or it was aborted elsewhere."""
+        self._matcher.check_usable(op)
+
     def end(self, op: Op) -> None:
         """Forget an operation; receives still posted for it (after a failure) are withdrawn."""
         self._matcher.end(op)

@@ -1,0 +1,120 @@
+"""Collective algorithms for the ranks of one host, over their arena (arena.py): each rank writes its
+contribution once into its own region, each reduces its share of the result straight out of everyone's
+regions, and each copies the others' shares out. No byte crosses a socket and no rank waits on another
+except at the two posts of a round.
+
+Tensors larger than a region go in rounds of at most `arena.INPUT_BYTES` per rank, so the data a peer
+reads was written moments before and is still in the shared cache. All functions take flat, contiguous
+CPU tensors and run inside `Arena.run`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.comm.arena import INPUT_BYTES, Arena
+from shoal.comm.reduce_op import ReduceOp, finish_, reduce_into
+from shoal.comm.ring import SMALL_BYTES, split
+
+__all__ = ["all_gather", "all_reduce", "barrier", "broadcast", "reduce_scatter"]
+
+
+
+
+def _pieces(numel: int, per_round: int) -> range:
+    """Where each round starts; an empty tensor still takes one round, so that ranks that disagree about
+    the operation find out."""
+    return range(0, max(numel, 1), per_round)
+
+
+def all_reduce(arena: Arena, flat: torch.Tensor, op: ReduceOp) -> None:
+    """Small tensors: one round in which every rank reduces everything (in rank order, so all agree
+    bitwise). Large: per round, rank r reduces shard r of the window and the others copy it out."""
+    n, me = arena.size, arena.me
+    inputs = [arena.inputs(m).view(flat.dtype) for m in range(n)]
+    results = [arena.results(m).view(flat.dtype) for m in range(n)]
+    if flat.numel() * flat.element_size() <= SMALL_BYTES:
+        arena.begin_round()
+        inputs[me][:flat.numel()].copy_(flat)
+        arena.post()
+        if flat.numel():
+            reduce_into(flat, [area[:flat.numel()] for area in inputs], op)
+            finish_(flat, op, n)
+        arena.settle()
+        return
+    per_round = inputs[me].numel()
+    for start in _pieces(flat.numel(), per_round):
+        window = flat[start:start + per_round]
+        cuts = split(window.numel(), n)
+        lo, hi = cuts[me], cuts[me + 1]
+        arena.begin_round()
+        inputs[me][:lo].copy_(window[:lo])  # every shard but ours, which we reduce from where it is
+        inputs[me][hi:window.numel()].copy_(window[hi:])
+        arena.post()
+        share = results[me][:hi - lo]
+        reduce_into(share, [window[lo:hi] if m == me else inputs[m][lo:hi] for m in range(n)], op)
+        finish_(share, op, n)
+        window[lo:hi].copy_(share)
+        arena.settle()
+        arena.wait_settled()  # every share is final
+        for m in range(n):
+            if m != me:
+                window[cuts[m]:cuts[m + 1]].copy_(results[m][:cuts[m + 1] - cuts[m]])
+
+
+def broadcast(arena: Arena, flat: torch.Tensor, root: int) -> None:
+    """`root` is the member index: the root writes a window, the others copy it out."""
+    data = flat.view(torch.uint8)
+    source = arena.inputs(root)
+    for start in _pieces(data.numel(), INPUT_BYTES):
+        piece = data[start:start + INPUT_BYTES]
+        arena.begin_round()
+        if arena.me == root:
+            source[:piece.numel()].copy_(piece)
+        arena.post()
+        if arena.me != root:
+            piece.copy_(source[:piece.numel()])
+        arena.settle()
+
+
+def all_gather(arena: Arena, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
+    """`outs` in member order; every rank writes its block and copies everyone else's."""
+    n, me = arena.size, arena.me
+    outs[me].copy_(mine)
+    data = mine.view(torch.uint8)
+    targets = [out.view(torch.uint8) for out in outs]
+    for start in _pieces(data.numel(), INPUT_BYTES):
+        stop = min(start + INPUT_BYTES, data.numel())
+        arena.begin_round()
+        arena.inputs(me)[:stop - start].copy_(data[start:stop])
+        arena.post()
+        for m in range(n):
+            if m != me:
+                targets[m][start:stop].copy_(arena.inputs(m)[:stop - start])
+        arena.settle()
+
+
+def reduce_scatter(arena: Arena, out: torch.Tensor, blocks: list[torch.Tensor], op: ReduceOp) -> None:
+    """`blocks` in member order; each rank's region holds a slot per destination, and rank r reduces
+    slot r of every region into `out`."""
+    n, me = arena.size, arena.me
+    per_slot = INPUT_BYTES // n // out.element_size()
+    slots = [[arena.inputs(m).view(out.dtype)[d * per_slot:(d + 1) * per_slot] for d in range(n)] for m in range(n)]
+    for start in _pieces(out.numel(), per_slot):
+        stop = min(start + per_slot, out.numel())
+        arena.begin_round()
+        for d in range(n):
+            if d != me:
+                slots[me][d][:stop - start].copy_(blocks[d][start:stop])
+        arena.post()
+        parts = [blocks[me][start:stop] if m == me else slots[m][me][:stop - start] for m in range(n)]
+        if stop > start:
+            reduce_into(out[start:stop], parts, op)
+        arena.settle()
+    finish_(out, op, n)
+
+
+def barrier(arena: Arena) -> None:
+    arena.begin_round()
+    arena.post()
+    arena.settle()

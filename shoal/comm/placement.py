@@ -1,0 +1,136 @@
+"""Which ranks of a group share a host, found once per group over the group's own (authenticated)
+connections, and the arena of shared memory (arena.py) the ranks of our host use from then on.
+
+Every rank makes a region and announces it with its host's identity (the kernel's boot id); ranks that
+announce the same host try to map each other's regions, and say which they could map. A host's ranks
+share an arena only if every one of them mapped every other (two containers on one machine share a
+boot id but not their processes' memory): otherwise each stays on its own, and the ring connects them.
+A rank with SHOAL_SHM=0 announces no region and is a host of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shoal.comm import arena, futex, region, ring
+from shoal.comm.arena import Arena
+from shoal.comm.region import Region
+
+_RECORD_BYTES = 256  # host identity and region name, padded
+# Discovery runs inside the group's first collective, in frames numbered where that collective's own
+# ring frames never reach.
+_DISCOVERY_SUB = 1 << 31
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The hosts of a group: `hosts` holds group ranks, each host's sorted, hosts ordered by their first."""
+
+    hosts: tuple[tuple[int, ...], ...]
+    arena: Arena | None  # our host's, where it has ranks besides us
+
+    @property
+    def shared(self) -> bool:
+        """Every rank of the group (and there are several) is in our arena."""
+        return len(self.hosts) == 1 and self.arena is not None
+
+    @property
+    def apart(self) -> bool:
+        """No two ranks share an arena: the ring does everything."""
+        return all(len(host) == 1 for host in self.hosts)
+
+    @property
+    def leaders(self) -> list[int]:
+        """The first rank of each host: the ranks that talk between hosts."""
+        return [host[0] for host in self.hosts]
+
+
+def alone() -> Placement:
+    return Placement(((0,),), None)
+
+
+def discover(ch: ring.Channel, global_ranks: Sequence[int]) -> Placement:
+    """Find the group's hosts; every rank of the group must call this in the same collective."""
+    n, me = ch.size, ch.rank
+    own = arena.new_region() if region.available() and futex.supported() else None
+    try:
+        announced = _exchange(Subchannel(ch, range(n), _DISCOVERY_SUB),
+                              f"{_host_identity()}|{own.name}" if own is not None else "")
+        hosts_of = [text.partition("|")[0] or None for text in announced]
+        regions: dict[int, Region] = {} if own is None else {me: own}
+        for rank, text in enumerate(announced):
+            if rank != me and own is not None and hosts_of[rank] == hosts_of[me]:
+                try:
+                    regions[rank] = Region.open(text.partition("|")[2], arena.SIZE)
+                except (OSError, ValueError):
+                    pass  # not ours to share: another pid namespace, another user
+        mapped = _exchange(Subchannel(ch, range(n), _DISCOVERY_SUB + 1024),
+                           "".join("1" if r in regions else "0" for r in range(n)))
+    finally:
+        if own is not None:
+            own.close_descriptor()  # everyone who could map it has
+    hosts = group_hosts(hosts_of, [[flag == "1" for flag in row] for row in mapped])
+    host = next(h for h in hosts if me in h)
+    if len(host) == 1:
+        return Placement(hosts, None)
+    return Placement(hosts, Arena([regions[r] for r in host], [global_ranks[r] for r in host], host.index(me)))
+
+
+def group_hosts(hosts_of: list[str | None], mapped: list[list[bool]]) -> tuple[tuple[int, ...], ...]:
+    """Ranks by host: those announcing one host, if each mapped every other's region; the rest alone."""
+    by_host: dict[str, list[int]] = {}
+    hosts: list[tuple[int, ...]] = []
+    for rank, host in enumerate(hosts_of):
+        if host is None:
+            hosts.append((rank,))
+        else:
+            by_host.setdefault(host, []).append(rank)
+    for members in by_host.values():
+        if all(mapped[a][b] for a in members for b in members if a != b):
+            hosts.append(tuple(members))
+        else:
+            hosts.extend((rank,) for rank in members)
+    return tuple(sorted(hosts))
+
+
+class Subchannel:
+    """Some ranks of a channel (`members`, in its ranks) as a channel of their own, with frame numbers
+    shifted by `sub_base`: the ring algorithms run on it unchanged."""
+
+    def __init__(self, ch: ring.Channel, members: Sequence[int], sub_base: int = 0) -> None:
+        self._ch, self._members, self._base = ch, list(members), sub_base
+        self.rank, self.size = self._members.index(ch.rank), len(self._members)
+
+    def recv(self, src: int, sub: int, view: memoryview, process: Callable[[], None] | None = None) -> object:
+        return self._ch.recv(self._members[src], self._base + sub, view, process)
+
+    def wait(self, handle: object) -> None:
+        self._ch.wait(handle)
+
+    def send(self, dst: int, sub: int, view: memoryview) -> None:
+        self._ch.send(self._members[dst], self._base + sub, view)
+
+    def flush(self) -> None:
+        self._ch.flush()
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        return self._ch.scratch(nbytes)
+
+
+def _exchange(ch: ring.Channel, text: str) -> list[str]:
+    """Everyone's `text` (at most _RECORD_BYTES of UTF-8), in rank order."""
+    encoded = text.encode()
+    assert len(encoded) <= _RECORD_BYTES, text
+    mine = torch.zeros(_RECORD_BYTES, dtype=torch.uint8)
+    mine[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    outs = [torch.empty_like(mine) for _ in range(ch.size)]
+    ring.all_gather(ch, outs, mine)
+    return [bytes(out.numpy()).rstrip(b"\0").decode() for out in outs]
+
+
+def _host_identity() -> str:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()

@@ -1,0 +1,83 @@
+"""The path each collective of a group takes, given where its ranks are (placement.py): shared memory
+(intrahost.py) when they all share one host, the ring (ring.py) when no two do, and for an all-reduce in
+a group that does both, a hierarchy: each host reduces in shared memory, the first rank of each host
+runs the ring with the other hosts' first ranks, and each host broadcasts the result in shared memory.
+In such mixed groups the other collectives keep the ring, as do reduce, gather, scatter and all-to-all
+everywhere (`on_ring`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from shoal.comm import intrahost, ring
+from shoal.comm.arena import Watch
+from shoal.comm.frames import Op
+from shoal.comm.placement import Placement, Subchannel
+from shoal.comm.reduce_op import ReduceOp, finish_
+
+
+class OpChannel(ring.Channel, Watch, Protocol):
+    """A ring channel that also knows its operation and watches it for the arena."""
+
+    op: Op
+
+
+def _in_arena(ch: OpChannel, placement: Placement, body: Callable[[], None]) -> None:
+    placement.arena.run(ch.op, ch, body)
+
+
+def on_ring(ch: OpChannel, placement: Placement, body: Callable[[], None]) -> None:
+    """Run `body` over the transport; members of our arena waiting in it learn that we do."""
+    if placement.arena is not None:
+        placement.arena.announce(ch.op, ch)
+    body()
+
+
+def all_reduce(ch: OpChannel, placement: Placement, flat: torch.Tensor, op: ReduceOp) -> None:
+    arena = placement.arena
+    if placement.apart:
+        ring.all_reduce(ch, flat, op)  # no arena to tell
+    elif placement.shared:
+        _in_arena(ch, placement, lambda: intrahost.all_reduce(arena, flat, op))
+    else:
+        partial = ReduceOp.SUM if op == ReduceOp.AVG else op  # divided once, by the whole group's size
+        if arena is not None:
+            _in_arena(ch, placement, lambda: intrahost.all_reduce(arena, flat, partial))
+        if ch.rank in placement.leaders:
+            ring.all_reduce(Subchannel(ch, placement.leaders), flat, partial)
+        if arena is not None:
+            _in_arena(ch, placement, lambda: intrahost.broadcast(arena, flat, 0))
+        finish_(flat, op, ch.size)
+
+
+def broadcast(ch: OpChannel, placement: Placement, flat: torch.Tensor, root: int) -> None:
+    if placement.shared:
+        _in_arena(ch, placement, lambda: intrahost.broadcast(placement.arena, flat, root))
+    else:
+        on_ring(ch, placement, lambda: ring.broadcast(ch, flat, root))
+
+
+def all_gather(ch: OpChannel, placement: Placement, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
+    if placement.shared:
+        _in_arena(ch, placement, lambda: intrahost.all_gather(placement.arena, outs, mine))
+    else:
+        on_ring(ch, placement, lambda: ring.all_gather(ch, outs, mine))
+
+
+def reduce_scatter(ch: OpChannel, placement: Placement, out: torch.Tensor, blocks: list[torch.Tensor],
+                   op: ReduceOp) -> None:
+    if placement.shared:
+        _in_arena(ch, placement, lambda: intrahost.reduce_scatter(placement.arena, out, blocks, op))
+    else:
+        on_ring(ch, placement, lambda: ring.reduce_scatter(ch, out, blocks, op))
+
+
+def barrier(ch: OpChannel, placement: Placement) -> None:
+    if placement.shared:
+        _in_arena(ch, placement, lambda: intrahost.barrier(placement.arena))
+    else:
+        on_ring(ch, placement, lambda: ring.barrier(ch))

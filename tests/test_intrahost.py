@@ -1,0 +1,153 @@
+"""Collectives through shared memory between ranks on one host: results over several rounds, the
+choice of path when some ranks cannot share memory (the hierarchical all-reduce), agreement with the
+ring, mismatched calls that do not hang, and nothing left behind."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+
+import shoal
+import shoal.distributed as dist
+from shoal.comm import arena, futex
+from tests.ranks import run_ranks
+
+pytestmark = pytest.mark.skipif(not futex.supported(), reason="shared-memory collectives need Linux on x86-64")
+
+OPS = ["SUM", "AVG", "PRODUCT", "MIN", "MAX"]
+# Float32 elements in two and a half rounds of a member's inputs: every path crosses round boundaries.
+ROUNDS_NUMEL = arena.INPUT_BYTES // 4 * 5 // 2 + 3
+
+
+def _data(rank: int, numel: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """Small positive integers, so that every order of reduction gives the same, exact result."""
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    return torch.randint(1, 3, (numel,), generator=gen).to(dtype)
+
+
+def _reference(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
+    stacked = torch.stack(tensors)
+    if op == "SUM":
+        return stacked.sum(0)
+    if op == "AVG":
+        return stacked.sum(0) / len(tensors)
+    if op == "PRODUCT":
+        return stacked.prod(0)
+    return stacked.amin(0) if op == "MIN" else stacked.amax(0)
+
+
+def _assert_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert torch.equal(got, want), f"{what}: {int((got != want).sum())} elements differ, first {got[got != want][:5]}"
+
+
+def _every_collective(rank: int, world: int, numel: int) -> tuple[tuple[int, ...], ...]:
+    for seed, op in enumerate(OPS):
+        inputs = [_data(r, numel, seed=seed) for r in range(world)]
+        tensor = inputs[rank].clone()
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+        _assert_equal(tensor, _reference(inputs, op), f"all_reduce {op}")
+    for root in range(world):
+        tensor = _data(rank, numel, seed=10 + root)
+        dist.broadcast(tensor, src=root)
+        _assert_equal(tensor, _data(root, numel, seed=10 + root), f"broadcast from {root}")
+    outs = [torch.empty(numel) for _ in range(world)]
+    dist.all_gather(outs, _data(rank, numel, seed=20))
+    for r in range(world):
+        _assert_equal(outs[r], _data(r, numel, seed=20), f"all_gather block {r}")
+    for seed, op in enumerate(("SUM", "AVG", "MAX"), start=30):
+        out = torch.empty(numel)
+        dist.reduce_scatter(out, [_data(rank, numel, seed=seed + 7 * j) for j in range(world)],
+                            op=getattr(dist.ReduceOp, op))
+        _assert_equal(out, _reference([_data(r, numel, seed=seed + 7 * rank) for r in range(world)], op),
+                      f"reduce_scatter {op}")
+    dist.barrier()
+    return dist.default_group().hosts
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_collective_over_several_rounds_equals_the_reference(world: int) -> None:
+    hosts = run_ranks(_every_collective, world, ROUNDS_NUMEL, timeout=120)
+    assert all(h == (tuple(range(world)),) for h in hosts.values()), hosts
+
+
+def _apart(rank: int, world: int, port: int, apart: int, numel: int) -> tuple[tuple[int, ...], ...]:
+    if rank == apart:
+        os.environ["SHOAL_SHM"] = "0"  # this rank offers no shared memory, as if on a host of its own
+    dist.init_process_group("shoal", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    _every_collective(rank, world, 1031)
+    return _every_collective(rank, world, numel)
+
+
+@pytest.mark.parametrize(("world", "apart"), [(3, 2), (4, 0)])
+def test_a_group_spanning_hosts_reduces_in_shared_memory_within_them_and_over_the_ring_between(
+        world: int, apart: int) -> None:
+    hosts = run_ranks(_apart, world, apart, ROUNDS_NUMEL, backend=None, timeout=180)
+    together = tuple(r for r in range(world) if r != apart)
+    assert all(h == tuple(sorted([together, (apart,)])) for h in hosts.values()), hosts
+
+
+def _random_sums(rank: int, world: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    results = []
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        tensor = torch.randn(ROUNDS_NUMEL, generator=gen)
+        dist.all_reduce(tensor, op=op)
+        results.append(tensor)
+    return results
+
+
+def test_shared_memory_and_the_ring_agree_bitwise_at_world_size_two() -> None:
+    # Two addends: every path computes a + b in one rounding, so any difference would be a bug.
+    shared = run_ranks(_random_sums, 2)
+    ring = run_ranks(_random_sums, 2, env={"SHOAL_SHM": "0"})
+    for rank in range(2):
+        for got, want in zip(shared[rank], ring[rank], strict=True):
+            _assert_equal(got, want, f"rank {rank}")
+
+
+def _arena_against_ring(rank: int, world: int) -> tuple[str, str]:
+    dist.all_reduce(torch.ones(4))  # the arena is set up
+    try:
+        if rank == 0:
+            dist.all_reduce(torch.ones(1000))  # in the arena, waiting for rank 1
+        else:
+            dist.scatter(torch.empty(1000), None, src=0)  # over the transport, waiting for rank 0
+        first = "no error"
+    except shoal.CollectiveMismatchError as exc:
+        first = str(exc)
+    try:
+        dist.all_reduce(torch.ones(4))
+        second = "no error"
+    except shoal.GroupBrokenError as exc:
+        second = type(exc).__name__
+    return first, second
+
+
+def test_a_rank_in_the_arena_and_a_rank_on_the_ring_are_both_told_of_the_mismatch() -> None:
+    # The group timeout (120 s) is beyond the test's: only the mismatch can end these calls in time.
+    out = run_ranks(_arena_against_ring, 2, timeout=60, group_timeout=120)
+    assert "scatter" in out[0][0] and "all_reduce" in out[0][0], out
+    assert "scatter" in out[1][0] or "all_reduce" in out[1][0], out
+    # The arena is out of step now (rank 1 never posted): later collectives in it refuse, on both ranks.
+    assert out[0][1] == out[1][1] == "GroupBrokenError", out
+
+
+def _arenas_mapped() -> int:
+    with open("/proc/self/maps") as f:
+        return f.read().count("memfd:shoal-arena")
+
+
+def _collect_and_leave(rank: int, world: int) -> int:
+    dist.all_reduce(torch.ones(ROUNDS_NUMEL))
+    return _arenas_mapped()
+
+
+def test_nothing_is_left_in_dev_shm_and_every_rank_maps_every_arena() -> None:
+    before = set(os.listdir("/dev/shm"))
+    mapped = run_ranks(_collect_and_leave, 3)
+    assert mapped == {0: 3, 1: 3, 2: 3}  # its own region and each peer's
+    assert set(os.listdir("/dev/shm")) <= before
