@@ -136,6 +136,49 @@ def test_a_rank_in_the_arena_and_a_rank_on_the_ring_are_both_told_of_the_mismatc
     assert out[0][1] == out[1][1] == "GroupBrokenError", out
 
 
+def _mismatched_in_the_arena(rank: int, world: int) -> list[str]:
+    dist.all_reduce(torch.ones(4))  # the arena is set up: what follows is all in it
+    errors = []
+    for tensor in (torch.ones(10 + (rank == 1)), torch.ones(300_000 + (rank == 1)),
+                   torch.ones(10, dtype=torch.float64 if rank == 0 else torch.float32)):
+        try:
+            dist.all_reduce(tensor)
+            errors.append("no error")
+        except shoal.CollectiveMismatchError as exc:
+            errors.append(str(exc))
+    tensor = torch.full((300_000,), float(rank))
+    dist.all_reduce(tensor)  # every rank stopped in the same round: the arena is still in step
+    assert torch.equal(tensor, torch.full((300_000,), float(sum(range(world)))))
+    dist.barrier()
+    return errors
+
+
+def test_ranks_that_disagree_in_the_arena_are_all_told_and_the_group_goes_on() -> None:
+    out = run_ranks(_mismatched_in_the_arena, 3, timeout=60, group_timeout=120)
+    for rank, errors in out.items():
+        assert "no error" not in errors, (rank, errors)
+        assert all("numel=" in e for e in errors[:2]) and "float64" in errors[2], (rank, errors)
+
+
+def _gather_against_all_reduce(rank: int, world: int) -> str:
+    dist.all_reduce(torch.ones(4))
+    try:
+        if rank == 0:
+            dist.all_reduce(torch.ones(1000))  # waits in the arena for rank 1, which has moved on
+        else:
+            dist.gather(torch.ones(10), [torch.empty(10) for _ in range(world)] if rank == 2 else None, dst=2)
+        return "no error"
+    except shoal.CollectiveMismatchError as exc:
+        return str(exc)
+
+
+def test_a_rank_in_the_arena_looks_at_every_member_not_only_the_one_it_waits_for() -> None:
+    # Rank 1 sends its part of the gather and leaves; rank 0 must see rank 2 in the gather to end.
+    out = run_ranks(_gather_against_all_reduce, 3, timeout=60, group_timeout=120)
+    assert "gather" in out[0] and "all_reduce" in out[0], out
+    assert out[2] != "no error", out
+
+
 def _arenas_mapped() -> int:
     with open("/proc/self/maps") as f:
         return f.read().count("memfd:shoal-arena")

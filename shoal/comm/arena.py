@@ -41,8 +41,8 @@ _POSTED = HEADER_BYTES  # uint32: the last round whose data this member has writ
 _SETTLED = 2 * HEADER_BYTES  # uint32: the last round in which this member has read everyone's data
 _ABANDONED = 3 * HEADER_BYTES  # uint32: nonzero once this member has left the arena out of step
 _SEQ = 4 * HEADER_BYTES  # int64: the sequence number of the operation this member is in (-1: changing)
-_SIGNATURE = _SEQ + 8  # that operation's signature
-_SIGNATURE_LAYOUT = struct.Struct("<5q")
+_SIGNATURE = _SEQ + 8  # whether that operation runs outside the arena, and its signature
+_SIGNATURE_LAYOUT = struct.Struct("<6q")
 INPUTS = 4096  # where a region's inputs start
 INPUT_BYTES = 4 << 20  # a round moves at most this much per member
 RESULT_BYTES = INPUT_BYTES // 2  # a member's results in a round: at most half a round's inputs
@@ -89,19 +89,20 @@ class _Member:
 
         self.seq = ctypes.c_int64.from_buffer(region.memory, _SEQ)
 
-    def signature(self) -> tuple[int, ...] | None:
-        """(sequence number, *signature), or None while its owner is changing it."""
+    def operation(self) -> tuple[int, bool, tuple[int, ...]] | None:
+        """(sequence number, outside the arena?, signature) of the member's operation, or None while its
+        owner is changing it."""
         seq = self.seq.value
-        signature = _SIGNATURE_LAYOUT.unpack_from(self.region.memory, _SIGNATURE)
+        outside, *signature = _SIGNATURE_LAYOUT.unpack_from(self.region.memory, _SIGNATURE)
         if seq == -1 or self.seq.value != seq:
             return None
-        return (seq, *signature)
+        return seq, bool(outside), tuple(signature)
 
-    def write_signature(self, seq: int, signature: tuple[int, ...]) -> None:
+    def write_operation(self, seq: int, outside: bool, signature: tuple[int, ...]) -> None:
         """A seqlock: readers that see the same number before and after reading the signature saw the
         signature written under it (x86-64 keeps stores, and loads, in order)."""
         self.seq.value = -1
-        _SIGNATURE_LAYOUT.pack_into(self.region.memory, _SIGNATURE, *signature)
+        _SIGNATURE_LAYOUT.pack_into(self.region.memory, _SIGNATURE, int(outside), *signature)
         self.seq.value = seq
 
 
@@ -130,7 +131,7 @@ class Arena:
 
     def run(self, op: Op, watch: Watch, body: Callable[[], None]) -> None:
         """Run one operation's rounds (`body`)."""
-        self._enter(op, watch)
+        self._enter(op, watch, outside=False)
         try:
             body()
         except _InStepMismatch:
@@ -144,17 +145,17 @@ class Arena:
     def announce(self, op: Op, watch: Watch) -> None:
         """Say that we are in `op`, which runs outside the arena."""
         try:
-            self._enter(op, watch)
+            self._enter(op, watch, outside=True)
         finally:
             self._op = None
 
-    def _enter(self, op: Op, watch: Watch) -> None:
+    def _enter(self, op: Op, watch: Watch, *, outside: bool) -> None:
         if self.abandoned:
             raise GroupBrokenError(f"{op.name}: this group's shared memory was left out of step by an earlier "
                                    f"failure; destroy the group and create a new one")
         self._op, self._watch, self._first = op, watch, True
         self._wait_all("settled", self._round)  # everyone has read our last signature
-        self._own.write_signature(op.seq, op.sig)
+        self._own.write_operation(op.seq, outside, op.sig)
 
     def begin_round(self) -> None:
         """Wait until every member has read the previous round's inputs: ours may then be overwritten."""
@@ -167,7 +168,7 @@ class Arena:
         self._wait_all("posted", self._round)
         if self._first:
             self._first = False
-            self._compare_signatures()
+            self._compare_operations()
 
     def settle(self) -> None:
         """Publish that we have read the inputs we needed and written our results of this round."""
@@ -208,32 +209,36 @@ class Arena:
 
     def _stalled(self, index: int) -> None:
         op = self._op
-        member = self._members[index]
         self._refuse_abandoned(index)
         self._watch.check()
-        theirs = member.signature()
-        if theirs is not None and theirs[0] == op.seq and theirs[1:] != op.sig:  # it runs another operation
-            error = self._mismatch(index, theirs)
-            self._watch.abort(error)
-            raise error
+        # A member in this same operation outside the arena will not come: it called another collective.
+        # Every member is looked at, not only the one awaited, which may have gone on to later ones.
+        for other, member in enumerate(self._members):
+            theirs = member.operation()
+            if theirs is not None and theirs[0] == op.seq and theirs[1] and theirs[2] != op.sig:
+                error = self._mismatch(other, theirs)
+                self._watch.abort(error)
+                raise error
         if time.monotonic() >= op.deadline:
             raise TimeoutError(f"{op.name} on rank {self.ranks[self.me]}: nothing from rank {self.ranks[index]} "
                                f"within {op.timeout.total_seconds():g}s (is it alive but not calling {op.name}?)")
 
-    def _compare_signatures(self) -> None:
+    def _compare_operations(self) -> None:
         op = self._op
         for index, member in enumerate(self._members):
-            theirs = member.signature()
+            theirs = member.operation()
             assert theirs is not None, "a member changed its signature after posting"
-            if theirs != (op.seq, *op.sig):
+            if theirs != (op.seq, False, op.sig):
+                self.settle()  # as every member does: the arena stays in step for the next operation
                 raise self._mismatch(index, theirs, in_step=True)
 
-    def _mismatch(self, index: int, theirs: tuple[int, ...], *, in_step: bool = False) -> CollectiveMismatchError:
+    def _mismatch(self, index: int, theirs: tuple[int, bool, tuple[int, ...]], *,
+                  in_step: bool = False) -> CollectiveMismatchError:
         op = self._op
         if theirs[0] != op.seq:
             what = f"is at operation #{theirs[0]} of this group, this rank at #{op.seq}"
         else:
-            what = f"called {op.describe(theirs[1:])}"
+            what = f"called {op.describe(theirs[2])}"
         kind = _InStepMismatch if in_step else CollectiveMismatchError
         return kind(f"{op.name}: rank {self.ranks[self.me]} called {op.describe(op.sig)} but rank "
                     f"{self.ranks[index]} {what}; every rank must pass matching tensors")

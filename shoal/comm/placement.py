@@ -10,6 +10,7 @@ A rank with SHOAL_SHM=0 announces no region and is a host of its own.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,10 +20,13 @@ from shoal.comm import arena, futex, region, ring
 from shoal.comm.arena import Arena
 from shoal.comm.region import Region
 
+log = logging.getLogger(__name__)
+
 _RECORD_BYTES = 256  # host identity and region name, padded
 # Discovery runs inside the group's first collective, in frames numbered where that collective's own
-# ring frames never reach.
+# ring frames never reach: its two exchanges from here, and from here plus _SECOND.
 _DISCOVERY_SUB = 1 << 31
+_SECOND = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,9 @@ def alone() -> Placement:
 def discover(ch: ring.Channel, global_ranks: Sequence[int]) -> Placement:
     """Find the group's hosts; every rank of the group must call this in the same collective."""
     n, me = ch.size, ch.rank
-    own = arena.new_region() if region.available() and futex.supported() else None
+    host, own = _own_region()
     try:
-        announced = _exchange(Subchannel(ch, range(n), _DISCOVERY_SUB),
-                              f"{_host_identity()}|{own.name}" if own is not None else "")
+        announced = _exchange(Subchannel(ch, range(n), _DISCOVERY_SUB), f"{host}|{own.name}" if own else "")
         hosts_of = [text.partition("|")[0] or None for text in announced]
         regions: dict[int, Region] = {} if own is None else {me: own}
         for rank, text in enumerate(announced):
@@ -67,7 +70,7 @@ def discover(ch: ring.Channel, global_ranks: Sequence[int]) -> Placement:
                     regions[rank] = Region.open(text.partition("|")[2], arena.SIZE)
                 except (OSError, ValueError):
                     pass  # not ours to share: another pid namespace, another user
-        mapped = _exchange(Subchannel(ch, range(n), _DISCOVERY_SUB + 1024),
+        mapped = _exchange(Subchannel(ch, range(n), _DISCOVERY_SUB + _SECOND),
                            "".join("1" if r in regions else "0" for r in range(n)))
     finally:
         if own is not None:
@@ -121,16 +124,26 @@ class Subchannel:
 
 
 def _exchange(ch: ring.Channel, text: str) -> list[str]:
-    """Everyone's `text` (at most _RECORD_BYTES of UTF-8), in rank order."""
+    """Everyone's `text`, in rank order: at most _RECORD_BYTES of UTF-8, or one character per rank."""
     encoded = text.encode()
-    assert len(encoded) <= _RECORD_BYTES, text
-    mine = torch.zeros(_RECORD_BYTES, dtype=torch.uint8)
+    size = max(_RECORD_BYTES, ch.size)
+    assert len(encoded) <= size, text
+    mine = torch.zeros(size, dtype=torch.uint8)
     mine[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
     outs = [torch.empty_like(mine) for _ in range(ch.size)]
     ring.all_gather(ch, outs, mine)
     return [bytes(out.numpy()).rstrip(b"\0").decode() for out in outs]
 
 
-def _host_identity() -> str:
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        return f.read().strip()
+def _own_region() -> tuple[str, Region | None]:
+    """Our host's identity and our region, or no region where memory cannot be shared from here (then
+    we are a host of our own: failing instead would leave the peers waiting for our announcement)."""
+    if not (region.available() and futex.supported()):
+        return "", None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            host = f.read().strip()
+        return host, arena.new_region()
+    except OSError as exc:
+        log.warning("no shared memory for this group's collectives (%s): they take the ring", exc)
+        return "", None

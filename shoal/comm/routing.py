@@ -48,7 +48,13 @@ def all_reduce(ch: OpChannel, placement: Placement, flat: torch.Tensor, op: Redu
         if arena is not None:
             _in_arena(ch, placement, lambda: intrahost.all_reduce(arena, flat, partial))
         if ch.rank in placement.leaders:
-            ring.all_reduce(Subchannel(ch, placement.leaders), flat, partial)
+            def between_hosts() -> None:
+                ring.all_reduce(Subchannel(ch, placement.leaders), flat, partial)
+
+            if arena is None:
+                between_hosts()
+            else:  # in the arena's care, so that a failure here frees the ranks waiting there for the result
+                _in_arena(ch, placement, between_hosts)
         if arena is not None:
             _in_arena(ch, placement, lambda: intrahost.broadcast(arena, flat, 0))
         finish_(flat, op, ch.size)
