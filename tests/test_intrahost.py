@@ -90,6 +90,26 @@ def test_a_group_spanning_hosts_reduces_in_shared_memory_within_them_and_over_th
     assert all(h == tuple(sorted([together, (apart,)])) for h in hosts.values()), hosts
 
 
+def _mismatch_on_one_host(rank: int, world: int, port: int) -> str:
+    if rank == 2:
+        os.environ["SHOAL_SHM"] = "0"
+    dist.init_process_group("shoal", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    dist.all_reduce(torch.ones(4))
+    try:
+        dist.all_reduce(torch.ones(1000 + (rank == 1)))  # rank 2 agrees with rank 0; rank 1 does not
+        return "no error"
+    except shoal.CollectiveMismatchError as exc:
+        return str(exc)
+
+
+def test_ranks_of_one_host_that_disagree_tell_the_other_hosts() -> None:
+    # Rank 2 waits for rank 0 on the ring between hosts: only the mismatch, carried over the transport,
+    # ends its wait before the group timeout (120 s, beyond the test's).
+    out = run_ranks(_mismatch_on_one_host, 3, backend=None, timeout=60)
+    assert all("numel=1001" in text or "numel=1000" in text for text in out.values()), out
+
+
 def _random_sums(rank: int, world: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(rank)
     results = []

@@ -203,7 +203,7 @@ class Arena:
 
     def _refuse_abandoned(self, index: int) -> None:
         if self._members[index].abandoned.value:
-            self.abandoned = True
+            self.abandon()  # and so those waiting for us stop as soon
             raise GroupBrokenError(f"{self._op.name}: rank {self.ranks[index]} failed in this group earlier and "
                                    f"left its shared memory out of step; destroy the group and create a new one")
 
@@ -217,6 +217,7 @@ class Arena:
             theirs = member.operation()
             if theirs is not None and theirs[0] == op.seq and theirs[1] and theirs[2] != op.sig:
                 error = self._mismatch(other, theirs)
+                self.abandon()  # before the peers hear of it, lest they find our counters as they are
                 self._watch.abort(error)
                 raise error
         if time.monotonic() >= op.deadline:
@@ -230,7 +231,9 @@ class Arena:
             assert theirs is not None, "a member changed its signature after posting"
             if theirs != (op.seq, False, op.sig):
                 self.settle()  # as every member does: the arena stays in step for the next operation
-                raise self._mismatch(index, theirs, in_step=True)
+                error = self._mismatch(index, theirs, in_step=True)
+                self._watch.abort(error)  # for ranks of other hosts, waiting on the transport (mixed groups)
+                raise error
 
     def _mismatch(self, index: int, theirs: tuple[int, bool, tuple[int, ...]], *,
                   in_step: bool = False) -> CollectiveMismatchError:
