@@ -84,10 +84,9 @@ class _Member:
         self.posted = ctypes.c_uint32.from_buffer(region.memory, _POSTED)
         self.settled = ctypes.c_uint32.from_buffer(region.memory, _SETTLED)
         self.abandoned = ctypes.c_uint32.from_buffer(region.memory, _ABANDONED)
+        self.seq = ctypes.c_int64.from_buffer(region.memory, _SEQ)
         self.inputs = torch.frombuffer(region.view[INPUTS:INPUTS + INPUT_BYTES], dtype=torch.uint8)
         self.results = torch.frombuffer(region.view[INPUTS + INPUT_BYTES:SIZE], dtype=torch.uint8)
-
-        self.seq = ctypes.c_int64.from_buffer(region.memory, _SEQ)
 
     def operation(self) -> tuple[int, bool, tuple[int, ...]] | None:
         """(sequence number, outside the arena?, signature) of the member's operation, or None while its

@@ -1,7 +1,7 @@
 """Collective algorithms for the ranks of one host, over their arena (arena.py): each rank writes its
 contribution once into its own region, each reduces its share of the result straight out of everyone's
-regions, and each copies the others' shares out. No byte crosses a socket and no rank waits on another
-except at the two posts of a round.
+regions, and each copies the others' shares out. No byte crosses a socket, and ranks wait for each other
+only where a round says they must (arena.py).
 
 Tensors larger than a region go in rounds of at most `arena.INPUT_BYTES` per rank, so the data a peer
 reads was written moments before and is still in the shared cache. All functions take flat, contiguous
