@@ -118,7 +118,6 @@ class Arena:
         self._op: Op | None = None
         self._watch: Watch | None = None
         self._first = False
-        self.abandoned = False
 
     def inputs(self, member: int) -> torch.Tensor:
         """The inputs of `member`'s region, as bytes: write only our own, and only before posting."""
@@ -149,7 +148,7 @@ class Arena:
             self._op = None
 
     def _enter(self, op: Op, watch: Watch, *, outside: bool) -> None:
-        if self.abandoned:
+        if self._own.abandoned.value:
             raise GroupBrokenError(f"{op.name}: this group's shared memory was left out of step by an earlier "
                                    f"failure; destroy the group and create a new one")
         self._op, self._watch, self._first = op, watch, True
@@ -179,7 +178,6 @@ class Arena:
 
     def abandon(self) -> None:
         """Tell the other members not to wait for us: we are out of step."""
-        self.abandoned = True
         self._own.abandoned.value = 1
         for word in (self._own.posted, self._own.settled):
             futex.wake(ctypes.addressof(word))

@@ -10,6 +10,7 @@ to paths that synchronize through the kernel.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform
 
@@ -38,7 +39,7 @@ def wait(address: int, expected: int, timeout_s: float) -> None:
     if _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_uint32(expected),
                      ctypes.byref(span), None, 0) == -1:
         error = ctypes.get_errno()
-        if error not in (11, 4, 110):  # EAGAIN (the word changed), EINTR, ETIMEDOUT: all mean "look again"
+        if error not in (errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT):  # the word changed, a signal, time: look again
             raise OSError(error, f"futex wait failed: {os.strerror(error)}")
 
 
