@@ -21,22 +21,47 @@ class StepTimes:
     """Wall seconds over the timed steps."""
 
 
-def train_steps(model: Any, batch: tuple[Any, Any], steps: int, barrier: Callable[[], Any] = lambda: None) -> StepTimes:
-    """Time `steps` steps of zero_grad, forward, cross-entropy, backward and SGD, after a warm-up;
-    `barrier` runs before each step, so that ranks start their steps together."""
+def training_step(model: Any, batch: tuple[Any, Any]) -> Callable[[], None]:
+    """One step of zero_grad, forward, cross-entropy, backward and SGD on `model`, with its own optimizer."""
     import torch
     from torch import nn
 
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+    return step
+
+
+def train_steps(model: Any, batch: tuple[Any, Any], steps: int, barrier: Callable[[], Any] = lambda: None) -> StepTimes:
+    """Time `steps` training steps after a warm-up; `barrier` runs before each step, so that ranks
+    start their steps together."""
+    step = training_step(model, batch)
     times = []
     for i in range(WARMUP + steps):
         if i == WARMUP:
             cpu, wall = time.process_time(), time.perf_counter()
         barrier()
         start = time.perf_counter()
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
-        optimizer.step()
+        step()
         times.append(time.perf_counter() - start)
     return StepTimes(median=statistics.median(times[WARMUP:]), cpu=time.process_time() - cpu,
                      wall=time.perf_counter() - wall)
+
+
+def interleaved(ops: dict[str, Callable[[], Any]], steps: int,
+                barrier: Callable[[], Any] = lambda: None) -> dict[str, float]:
+    """The median seconds of each op over `steps` calls after a warm-up, taking the ops in turn (one
+    call of each per round) so that a machine whose speed drifts during the run slows them all alike.
+    `barrier` runs before each call."""
+    times: dict[str, list[float]] = {label: [] for label in ops}
+    for i in range(WARMUP + steps):
+        for label, op in ops.items():
+            barrier()
+            start = time.perf_counter()
+            op()
+            if i >= WARMUP:
+                times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(values) for label, values in times.items()}

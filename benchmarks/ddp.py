@@ -4,7 +4,8 @@ and backend, in the same processes (world size 2).
     python benchmarks/ddp.py            # or: shoal bench ddp
     python benchmarks/ddp.py --steps 10
 
-A step is zero_grad, forward, loss, backward and an SGD step. Besides the median step time it
+A step is zero_grad, forward, loss, backward and an SGD step. The configurations take turns, one step
+each per round, so that a machine whose speed drifts slows them alike. Besides the median step time it
 reports the share of all-reduce time hidden behind backward: 1 - (DDP step - compute-only step) /
 (time to all-reduce every gradient once, alone).
 """
@@ -12,15 +13,13 @@ reports the share of all-reduce time hidden behind backward: 1 - (DDP step - com
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
-from benchmarks._steps import train_steps
+from benchmarks._steps import interleaved, training_step
 from shoal.ports import free_port
 
 MODELS = ("mlp-10M", "digits-cnn")
@@ -64,38 +63,24 @@ def _worker(rank: int, ports: tuple[int, int], steps: int, results) -> None:
                                       "127.0.0.1")
     rows = []
     for name in MODELS:
-        row = {"model": name}
         model, batch = _model_and_batch(name, rank)
-        row["params"] = sum(p.numel() for p in model.parameters())
-        row["compute"] = train_steps(model, batch, steps, tdist.barrier).median
-        flat = torch.zeros(row["params"])
-        for label, group in (("gloo", gloo), ("shoal", native)):
-            row[f"comm {label}"] = _median_step_comm(lambda g=group, t=flat: g.all_reduce(t).wait(), steps,
-                                                     tdist.barrier)
-        for label, ddp in (("torch DDP (gloo)", TorchDDP(_model_and_batch(name, rank)[0])),
-                           ("shoal DDP (gloo)", ShoalDDP(_model_and_batch(name, rank)[0], process_group=gloo)),
-                           ("shoal DDP (shoal)", ShoalDDP(_model_and_batch(name, rank)[0], process_group=native))):
-            row[label] = train_steps(ddp, batch, steps, tdist.barrier).median
-        seconds = torch.tensor([row[k] for k in row if isinstance(row[k], float)], dtype=torch.float64)
+        params = sum(p.numel() for p in model.parameters())
+        flat = torch.zeros(params)
+        ops = {"compute": training_step(model, batch),
+               "comm gloo": lambda t=flat: gloo.all_reduce(t).wait(),
+               "comm shoal": lambda t=flat: native.all_reduce(t).wait(),
+               "torch DDP (gloo)": training_step(TorchDDP(_model_and_batch(name, rank)[0]), batch),
+               "shoal DDP (gloo)": training_step(ShoalDDP(_model_and_batch(name, rank)[0], process_group=gloo), batch),
+               "shoal DDP (shoal)": training_step(ShoalDDP(_model_and_batch(name, rank)[0], process_group=native),
+                                                  batch)}
+        medians = interleaved(ops, steps, tdist.barrier)
+        seconds = torch.tensor(list(medians.values()), dtype=torch.float64)
         tdist.all_reduce(seconds, op=tdist.ReduceOp.MAX)  # the slower rank sets the pace
-        for key, value in zip([k for k in row if isinstance(row[k], float)], seconds.tolist(), strict=True):
-            row[key] = value
-        rows.append(row)
+        rows.append({"model": name, "params": params, **dict(zip(medians, seconds.tolist(), strict=True))})
     if rank == 0:
         results.put(rows)
     native.shutdown()
     dist.destroy_process_group()
-
-
-def _median_step_comm(op, steps: int, barrier) -> float:
-    times = []
-    for i in range(steps + 3):
-        barrier()
-        start = time.perf_counter()
-        op()
-        if i >= 3:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run(steps: int) -> list[dict]:
