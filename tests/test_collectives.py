@@ -3,6 +3,8 @@ for world sizes 1-4, several dtypes and sizes (0, 1, odd, large), on backends "s
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -140,6 +142,38 @@ def _non_contiguous(rank: int, world: int) -> None:
 @pytest.mark.parametrize("backend", ["shoal", "gloo"])
 def test_non_contiguous_tensors_are_handled(backend: str) -> None:
     run_ranks(_non_contiguous, 2, backend=backend)
+
+
+def _coalesced(rank: int, world: int) -> None:
+    import shoal.distributed as dist
+
+    total = 2_621_443  # two and a half rounds of the shared-memory window (float32): pieces cross them
+    for seed, op in enumerate(("SUM", "AVG", "MAX")):
+        inputs = [_data(r, total, torch.float32, seed=seed) for r in range(world)]
+        whole = inputs[rank].clone()
+        reduce_op = getattr(dist.ReduceOp, op)
+        if rank == 0:  # the same collective as the others' coalesced calls, whatever their cuts
+            dist.all_reduce(whole, op=reduce_op)
+        else:
+            gen = torch.Generator().manual_seed(rank)
+            cuts = sorted(torch.randint(1, total - 7, (4,), generator=gen).tolist())
+            bounds = [0, *cuts, cuts[-1], total - 7]  # one piece empty
+            tail = torch.zeros(7, 2)[:, 0]  # not contiguous: reduced through a copy and written back
+            tail.copy_(whole[total - 7:])
+            dist.all_reduce_coalesced([whole[a:b] for a, b in itertools.pairwise(bounds)] + [tail],
+                                      op=reduce_op)
+            whole[total - 7:] = tail
+        _check(whole, _reference(inputs, op), f"all_reduce_coalesced {op}")
+    with pytest.raises(ValueError, match="must match"):
+        dist.all_reduce_coalesced([torch.ones(2), torch.ones(2, dtype=torch.int64)])
+
+
+@pytest.mark.parametrize(("backend", "env"), [("shoal", {}), ("shoal", {"SHOAL_SHM": "0"}), ("gloo", {})],
+                         ids=["shoal", "shoal-ring", "gloo"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_coalesced_all_reduce_works_where_tensors_lie_and_pairs_with_all_reduce(
+        backend: str, env: dict[str, str], world: int) -> None:
+    run_ranks(_coalesced, world, backend=backend, timeout=120, env=env)
 
 
 def _large_without_lanes(rank: int, world: int) -> None:

@@ -4,6 +4,7 @@ transport (backend "shoal") or torch.distributed (backends "gloo" and "nccl").""
 from shoal.comm.api import (
     all_gather,
     all_reduce,
+    all_reduce_coalesced,
     all_to_all,
     barrier,
     broadcast,
@@ -34,6 +35,7 @@ __all__ = [
     "Work",
     "all_gather",
     "all_reduce",
+    "all_reduce_coalesced",
     "all_to_all",
     "barrier",
     "broadcast",

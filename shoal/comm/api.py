@@ -127,6 +127,11 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Process
     return _finish(_group(group).all_reduce(tensor, op, async_op=async_op), async_op)
 
 
+def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
+                         async_op: bool = False) -> Work | None:
+    return _finish(_group(group).all_reduce_coalesced(tensors, op, async_op=async_op), async_op)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None,
               async_op: bool = False) -> Work | None:
     return _finish(_group(group).broadcast(tensor, src, async_op=async_op), async_op)

@@ -103,6 +103,17 @@ class C10dProcessGroup(ProcessGroup):
         work = tdist.all_reduce(t, _TORCH_OPS[op], group=self._pg, async_op=True)
         return self._wrap("all_reduce", work, lambda: (finish_(t, op, self.size), back()))
 
+    def _start_all_reduce_coalesced(self, tensors: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+
+        def then() -> None:
+            finish_(flat, op, self.size)
+            for tensor, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+                tensor.copy_(piece.view_as(tensor))
+
+        work = tdist.all_reduce(flat, _TORCH_OPS[op], group=self._pg, async_op=True)
+        return self._wrap("all_reduce", work, then)
+
     def _start_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool) -> Work:
         t, back = staged(tensor)
         return self._wrap("broadcast", tdist.broadcast(t, self.ranks[src], group=self._pg, async_op=True), back)

@@ -20,6 +20,9 @@ class ProcessGroup(abc.ABC):
 
     backend: str = ""
     store: object | None = None  # the rendezvous store, kept alive (rank 0 serves it) with the group
+    # Whether all_reduce_coalesced costs no more than all_reduce of one tensor: it works on the tensors
+    # where they lie, or packs them into memory it reuses. Then a caller need not pack them itself.
+    coalesces_for_free: bool = False
 
     def __init__(self, ranks: Sequence[int], global_rank: int, timeout: timedelta) -> None:
         self.ranks = tuple(ranks)
@@ -38,6 +41,19 @@ class ProcessGroup(abc.ABC):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = True) -> Work:
         _check_tensor(tensor, "all_reduce")
         return self._start_all_reduce(tensor, _check_op(op), blocking=not async_op)
+
+    def all_reduce_coalesced(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
+                             async_op: bool = True) -> Work:
+        """All-reduce several tensors of one dtype, each in place, as one collective: that of their
+        concatenation, which another rank may pass as one tensor or cut differently."""
+        if not tensors:
+            raise ValueError("all_reduce_coalesced: needs at least one tensor")
+        for i, t in enumerate(tensors):
+            _check_tensor(t, f"all_reduce_coalesced tensors[{i}]")
+            if t.dtype != tensors[0].dtype or t.device != tensors[0].device:
+                raise ValueError(f"all_reduce_coalesced: tensors[{i}] is {t.dtype} on {t.device} but tensors[0] "
+                                 f"is {tensors[0].dtype} on {tensors[0].device}; they must match")
+        return self._start_all_reduce_coalesced(list(tensors), _check_op(op), blocking=not async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = True) -> Work:
         _check_tensor(tensor, "broadcast")
@@ -116,6 +132,9 @@ class ProcessGroup(abc.ABC):
 
     @abc.abstractmethod
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Work: ...
+
+    @abc.abstractmethod
+    def _start_all_reduce_coalesced(self, tensors: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work: ...
 
     @abc.abstractmethod
     def _start_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool) -> Work: ...

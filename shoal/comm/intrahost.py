@@ -5,7 +5,7 @@ only where a round says they must (arena.py).
 
 Tensors larger than a region go in rounds of at most `arena.INPUT_BYTES` per rank, so the data a peer
 reads was written moments before and is still in the shared cache. All functions take flat, contiguous
-CPU tensors and run inside `Arena.run`.
+CPU tensors (all_reduce: `Segments` of them) and run inside `Arena.run`.
 """
 
 from __future__ import annotations
@@ -13,60 +13,67 @@ from __future__ import annotations
 import torch
 
 from shoal.comm.arena import INPUT_BYTES, Arena
-from shoal.comm.reduce_op import ReduceOp, finish_, reduce_into
+from shoal.comm.reduce_op import ReduceOp, finish_, finish_into, reduce_into
 from shoal.comm.ring import SMALL_BYTES, split
+from shoal.comm.segments import Segments
 
 __all__ = ["all_gather", "all_reduce", "barrier", "broadcast", "reduce_scatter"]
 
 
-
-
-def _pieces(numel: int, per_round: int) -> range:
+def _rounds(numel: int, per_round: int) -> range:
     """Where each round starts; an empty tensor still takes one round, so that ranks that disagree about
     the operation find out."""
     return range(0, max(numel, 1), per_round)
 
 
-def all_reduce(arena: Arena, flat: torch.Tensor, op: ReduceOp) -> None:
+def all_reduce(arena: Arena, data: Segments, op: ReduceOp) -> None:
     """Small tensors: one round in which every rank reduces everything (in rank order, so all agree
-    bitwise). Large: per round, rank r reduces shard r of the window and the others copy it out."""
+    bitwise). Large: per round, rank r reduces shard r of the window and the others copy it out. The
+    data is read and written where it lies, tensor by tensor."""
     n, me = arena.size, arena.me
-    inputs = [arena.inputs(m).view(flat.dtype) for m in range(n)]
-    results = [arena.results(m).view(flat.dtype) for m in range(n)]
-    if flat.numel() * flat.element_size() <= SMALL_BYTES:
+    inputs = [arena.inputs(m).view(data.dtype) for m in range(n)]
+    results = [arena.results(m).view(data.dtype) for m in range(n)]
+    if data.nbytes <= SMALL_BYTES:
         arena.begin_round()
-        inputs[me][:flat.numel()].copy_(flat)
+        everything = data.pieces(0, data.numel)
+        for at, piece in everything:
+            inputs[me][at:at + piece.numel()].copy_(piece)
         arena.post()
-        if flat.numel():
-            reduce_into(flat, [area[:flat.numel()] for area in inputs], op)
-            finish_(flat, op, n)
+        for at, piece in everything:
+            reduce_into(piece, [area[at:at + piece.numel()] for area in inputs], op)
+            finish_(piece, op, n)
         arena.settle()
         return
     per_round = inputs[me].numel()
-    for start in _pieces(flat.numel(), per_round):
-        window = flat[start:start + per_round]
-        cuts = split(window.numel(), n)
+    for start in _rounds(data.numel, per_round):
+        cuts = [start + cut for cut in split(min(per_round, data.numel - start), n)]
         lo, hi = cuts[me], cuts[me + 1]
+        ours = data.pieces(lo, hi)
         arena.begin_round()
-        inputs[me][:lo].copy_(window[:lo])  # every shard but ours, which we reduce from where it is
-        inputs[me][hi:window.numel()].copy_(window[hi:])
+        for at, piece in data.pieces(start, lo) + data.pieces(hi, cuts[-1]):  # we reduce ours where it is
+            inputs[me][at - start:at - start + piece.numel()].copy_(piece)
         arena.post()
-        share = results[me][:hi - lo]
-        reduce_into(share, [window[lo:hi] if m == me else inputs[m][lo:hi] for m in range(n)], op)
-        finish_(share, op, n)
-        window[lo:hi].copy_(share)
+        share = results[me]
+        for at, piece in ours:
+            parts = [piece if m == me else inputs[m][at - start:at - start + piece.numel()] for m in range(n)]
+            reduce_into(share[at - lo:at - lo + piece.numel()], parts, op)
         arena.settle()
+        # Each rank turns the shares (sums, for AVG) into means as it copies them out: the division
+        # costs no pass of its own, and every rank divides the same sums.
+        for at, piece in ours:
+            finish_into(piece, share[at - lo:at - lo + piece.numel()], op, n)
         arena.wait_settled()  # every share is final
         for m in range(n):
             if m != me:
-                window[cuts[m]:cuts[m + 1]].copy_(results[m][:cuts[m + 1] - cuts[m]])
+                for at, piece in data.pieces(cuts[m], cuts[m + 1]):
+                    finish_into(piece, results[m][at - cuts[m]:at - cuts[m] + piece.numel()], op, n)
 
 
 def broadcast(arena: Arena, flat: torch.Tensor, root: int) -> None:
     """`root` is the member index: the root writes a window, the others copy it out."""
     data = flat.view(torch.uint8)
     source = arena.inputs(root)
-    for start in _pieces(data.numel(), INPUT_BYTES):
+    for start in _rounds(data.numel(), INPUT_BYTES):
         piece = data[start:start + INPUT_BYTES]
         arena.begin_round()
         if arena.me == root:
@@ -83,7 +90,7 @@ def all_gather(arena: Arena, outs: list[torch.Tensor], mine: torch.Tensor) -> No
     outs[me].copy_(mine)
     data = mine.view(torch.uint8)
     targets = [out.view(torch.uint8) for out in outs]
-    for start in _pieces(data.numel(), INPUT_BYTES):
+    for start in _rounds(data.numel(), INPUT_BYTES):
         stop = min(start + INPUT_BYTES, data.numel())
         arena.begin_round()
         arena.inputs(me)[:stop - start].copy_(data[start:stop])
@@ -100,7 +107,7 @@ def reduce_scatter(arena: Arena, out: torch.Tensor, blocks: list[torch.Tensor], 
     n, me = arena.size, arena.me
     per_slot = INPUT_BYTES // n // out.element_size()
     slots = [[arena.inputs(m).view(out.dtype)[d * per_slot:(d + 1) * per_slot] for d in range(n)] for m in range(n)]
-    for start in _pieces(out.numel(), per_slot):
+    for start in _rounds(out.numel(), per_slot):
         stop = min(start + per_slot, out.numel())
         arena.begin_round()
         for d in range(n):

@@ -20,6 +20,7 @@ from shoal.comm.frames import Op, Recv, SendTracker, Signature
 from shoal.comm.group import ProcessGroup
 from shoal.comm.reduce_op import ReduceOp
 from shoal.comm.rendezvous import job_secret, local_address_towards
+from shoal.comm.segments import Segments
 from shoal.comm.staging import staged
 from shoal.comm.store import Store
 from shoal.comm.transport import Transport
@@ -49,6 +50,10 @@ def _staged(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     to copy results back."""
     copy, back = staged(tensor, "cpu")
     return copy.view(-1), back
+
+
+def _at_least(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+    return buffer if buffer.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
 
 
 class _OpChannel:
@@ -81,9 +86,13 @@ class _OpChannel:
     def scratch(self, nbytes: int) -> torch.Tensor:
         return self._group.scratch(nbytes)
 
+    def packing(self, nbytes: int) -> torch.Tensor:
+        return self._group.packing(nbytes)
+
 
 class ShoalProcessGroup(ProcessGroup):
     backend = "shoal"
+    coalesces_for_free = True
 
     def __init__(self, transport: Transport, ranks: Sequence[int], group_id: int, timeout: timedelta,
                  group_ids: Callable[[], int], *, owns_transport: bool = False) -> None:
@@ -97,6 +106,7 @@ class ShoalProcessGroup(ProcessGroup):
         self._queue = OpQueue(f"shoal-group-{group_id}")
         self._issue = threading.Lock()  # sequence numbers and queue order must agree
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._packing = torch.empty(0, dtype=torch.uint8)
         self._broken: BaseException | None = None
         self._owns_transport = owns_transport
         self._placement: placement.Placement | None = None
@@ -120,9 +130,14 @@ class ShoalProcessGroup(ProcessGroup):
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         """Reusable staging memory; ops run one at a time, so one buffer serves them all."""
-        if self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        self._scratch = _at_least(self._scratch, nbytes)
         return self._scratch[:nbytes]
+
+    def packing(self, nbytes: int) -> torch.Tensor:
+        """Reusable memory to pack several tensors into one for an op (beside `scratch`, which the op
+        may use too)."""
+        self._packing = _at_least(self._packing, nbytes)
+        return self._packing[:nbytes]
 
     @property
     def hosts(self) -> tuple[tuple[int, ...], ...] | None:
@@ -187,9 +202,14 @@ class ShoalProcessGroup(ProcessGroup):
         return work
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Work:
-        flat, back = _staged(tensor)
-        return self._collective("all_reduce", flat, self._routed(routing.all_reduce, flat, op), redop=op,
-                                finish=back, blocking=blocking)
+        return self._start_all_reduce_coalesced([tensor], op, blocking)
+
+    def _start_all_reduce_coalesced(self, tensors: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
+        staged = [_staged(t) for t in tensors]
+        data = Segments([flat for flat, _ in staged])
+        # The same collective as an all_reduce of the concatenation, which another rank may pass instead.
+        return self._collective("all_reduce", data.tensors[0], self._routed(routing.all_reduce, data, op), redop=op,
+                                numel=data.numel, finish=lambda: [back() for _, back in staged], blocking=blocking)
 
     def _start_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool) -> Work:
         flat, back = _staged(tensor)

@@ -44,9 +44,16 @@ def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: ReduceOp) -> N
 
 def finish_(acc: torch.Tensor, op: ReduceOp, world_size: int) -> None:
     """Turn a sum into a mean for AVG; integers round toward zero, as NCCL's integer AVG does."""
+    finish_into(acc, acc, op, world_size)
+
+
+def finish_into(out: torch.Tensor, acc: torch.Tensor, op: ReduceOp, world_size: int) -> None:
+    """out <- what `finish_` makes of acc, in one pass over memory where out is another tensor (a copy
+    and a division fused); acc is left as it is unless it is out."""
     if op != ReduceOp.AVG or world_size == 1:
-        return
-    if acc.is_floating_point() or acc.is_complex():
-        acc.div_(world_size)
+        if out is not acc:
+            out.copy_(acc)
+    elif acc.is_floating_point() or acc.is_complex():
+        torch.div(acc, world_size, out=out)
     else:
-        acc.div_(world_size, rounding_mode="trunc")
+        torch.div(acc, world_size, rounding_mode="trunc", out=out)

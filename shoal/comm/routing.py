@@ -18,12 +18,17 @@ from shoal.comm.arena import Watch
 from shoal.comm.frames import Op
 from shoal.comm.placement import Placement, Subchannel
 from shoal.comm.reduce_op import ReduceOp, finish_
+from shoal.comm.segments import Segments
 
 
 class OpChannel(ring.Channel, Watch, Protocol):
     """A ring channel that also knows its operation and watches it for the arena."""
 
     op: Op
+
+    def packing(self, nbytes: int) -> torch.Tensor:
+        """Memory, reused from op to op, to pack several tensors into one."""
+        ...
 
 
 def _in_arena(ch: OpChannel, placement: Placement, body: Callable[[], None]) -> None:
@@ -37,16 +42,18 @@ def on_ring(ch: OpChannel, placement: Placement, body: Callable[[], None]) -> No
     body()
 
 
-def all_reduce(ch: OpChannel, placement: Placement, flat: torch.Tensor, op: ReduceOp) -> None:
+def all_reduce(ch: OpChannel, placement: Placement, data: Segments, op: ReduceOp) -> None:
     arena = placement.arena
+    if placement.shared:
+        _in_arena(ch, placement, lambda: intrahost.all_reduce(arena, data, op))
+        return
+    flat = data.packed(ch.packing)  # the ring sends from one buffer
     if placement.apart:
         ring.all_reduce(ch, flat, op)  # no arena to tell
-    elif placement.shared:
-        _in_arena(ch, placement, lambda: intrahost.all_reduce(arena, flat, op))
     else:
         partial = ReduceOp.SUM if op == ReduceOp.AVG else op  # divided once, by the whole group's size
         if arena is not None:
-            _in_arena(ch, placement, lambda: intrahost.all_reduce(arena, flat, partial))
+            _in_arena(ch, placement, lambda: intrahost.all_reduce(arena, Segments([flat]), partial))
         if ch.rank in placement.leaders:
             def between_hosts() -> None:
                 ring.all_reduce(Subchannel(ch, placement.leaders), flat, partial)
@@ -58,6 +65,7 @@ def all_reduce(ch: OpChannel, placement: Placement, flat: torch.Tensor, op: Redu
         if arena is not None:
             _in_arena(ch, placement, lambda: intrahost.broadcast(arena, flat, 0))
         finish_(flat, op, ch.size)
+    data.unpack(flat)
 
 
 def broadcast(ch: OpChannel, placement: Placement, flat: torch.Tensor, root: int) -> None:
