@@ -76,6 +76,9 @@ def _train_and_compare(rank: int, world: int, kind: str, bucket_cap_mb: float, a
     assert got.keys() == want.keys(), (sorted(got), sorted(want))  # the unused branch keeps grad None
     for name, grad in got.items():
         torch.testing.assert_close(grad, want[name], rtol=1e-12, atol=1e-12, msg=name)
+    packed = [b.index for b in ddp.buckets if b._buffer is not None]
+    if kind == "mlp":  # shoal reduces gradients where they lie and needs no bucket memory; gloo packs them
+        assert (packed == []) == (ddp.process_group.backend == "shoal"), packed
 
     # Gradient accumulation: two steps under no_sync, the third synchronizes the sum of all three.
     views = not as_view or all(any(p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
@@ -155,6 +158,28 @@ def test_parameters_unused_on_some_ranks_average_with_what_others_accumulated() 
         for step, use in ((0, True), (1, rank == 1)):
             x, y = _batch("mlp", rank, step)
             (nn.functional.cross_entropy(net(x, use), y) / 2).backward()
+    for rank in range(2):
+        for name, param in net.named_parameters():
+            torch.testing.assert_close(out[rank][name], param.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def _used_by_one_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
+    from shoal.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(_optional_model(), find_unused_parameters=True)
+    x, y = _batch("mlp", rank, 0)
+    # Rank 0 has no gradient for the extra head: it packs zeros into that bucket, while rank 1 reduces
+    # its gradients where they lie; both take part in the same collective.
+    nn.functional.cross_entropy(ddp(x, rank == 1), y).backward()
+    return {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+
+
+def test_a_rank_without_some_gradients_and_one_with_all_reduce_together() -> None:
+    out = run_ranks(_used_by_one_rank, 2)
+    net = _optional_model()
+    for rank in range(2):
+        x, y = _batch("mlp", rank, 0)
+        (nn.functional.cross_entropy(net(x, rank == 1), y) / 2).backward()
     for rank in range(2):
         for name, param in net.named_parameters():
             torch.testing.assert_close(out[rank][name], param.grad, rtol=1e-12, atol=1e-12, msg=name)

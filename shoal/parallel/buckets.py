@@ -34,7 +34,8 @@ def assign_buckets(params: list[torch.Tensor], cap_bytes: int, first_cap_bytes: 
 
 
 class Bucket:
-    """One bucket: a flat buffer holding its parameters' gradients, and which are in this step."""
+    """One bucket: its parameters, which of their gradients are in this step, and a flat buffer for
+    them where they must be packed (a communication hook's input, or gradients that are bucket views)."""
 
     def __init__(self, index: int, params: list[torch.Tensor], names: list[str]) -> None:
         self.index = index
@@ -43,13 +44,26 @@ class Bucket:
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        self.buffer = torch.zeros(self.offsets[-1], dtype=params[0].dtype, device=params[0].device)
+        self._buffer: torch.Tensor | None = None
         self.ready = [False] * len(params)
         self.pending = len(params)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer, made on first use: gradients that are reduced where they lie never need one."""
+        if self._buffer is None:
+            first = self.params[0]
+            self._buffer = torch.zeros(self.offsets[-1], dtype=first.dtype, device=first.device)
+        return self._buffer
 
     def view(self, i: int) -> torch.Tensor:
         """Parameter i's slice of the buffer, shaped like the parameter."""
         return self.buffer[self.offsets[i]:self.offsets[i + 1]].view_as(self.params[i])
+
+    def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """`flat` (laid out as the buffer) cut into each parameter's slice, shaped like the parameter."""
+        return [flat[start:stop].view_as(p) for p, start, stop in zip(self.params, self.offsets, self.offsets[1:],
+                                                                        strict=False)]
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from shoal.comm.group import ProcessGroup
+from shoal.comm.reduce_op import ReduceOp
 from shoal.parallel.buckets import Bucket, assign_buckets
 from shoal.parallel.comm_hooks import GradBucket, Pending, allreduce_hook
 
@@ -32,10 +33,12 @@ class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper with torch's constructor arguments and semantics.
 
     At construction every rank checks that it holds the same parameters (names, shapes, dtypes) and
-    takes rank 0's parameters and buffers. In backward, a hook on each parameter copies its
-    gradient into its bucket; a full bucket is all-reduced at once, asynchronously, in bucket order
-    on every rank; when backward finishes, the buckets are awaited and the averaged gradients put
-    back into `.grad`.
+    takes rank 0's parameters and buffers. In backward, a hook on each parameter marks its gradient
+    in; a full bucket is all-reduced at once, asynchronously, in bucket order on every rank; when
+    backward finishes, the buckets are awaited and `.grad` holds the averages. With the default
+    communication hook a bucket's gradients are reduced where they lie, as one collective; otherwise
+    (another hook, gradient_as_bucket_view, a gradient missing or laid out otherwise) they are packed
+    into the bucket's buffer first and the averages copied back.
     """
 
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
@@ -67,7 +70,8 @@ class DistributedDataParallel(nn.Module):
         self._step_syncs = True  # decided at forward, as torch does: no_sync() around forward is enough
         self._in_backward = False
         self._next_launch = 0
-        self._inflight: list[Pending | None] = [None] * len(self.buckets)
+        # Per bucket in flight: wait for its reduction and get the averaged gradients, shaped as its parameters.
+        self._inflight: list[Callable[[], list[torch.Tensor]] | None] = [None] * len(self.buckets)
         self.launched_in_backward = 0  # buckets whose reduction began before backward ended (last step)
         self._prepared = False  # forward has reset the buckets for the backward that follows it
         self._forward_thread: int | None = None  # which thread ran the forward that prepared it
@@ -136,28 +140,53 @@ class DistributedDataParallel(nn.Module):
                 self._prepared = False
                 self._in_backward = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            view = bucket.view(i)
-            if param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)
-                if self.gradient_as_bucket_view:
-                    param.grad = view
             if bucket.mark_ready(i):
-                self._launch_ready(in_backward=True)
+                self._launch_ready(_grad_of, in_backward=True)
         return hook
 
-    def _launch_ready(self, *, in_backward: bool) -> None:
-        """Start the reductions of ready buckets, strictly in bucket order, as every rank does."""
+    def _launch_ready(self, read: Callable[[torch.Tensor], torch.Tensor | None], *, in_backward: bool) -> None:
+        """Start the reductions of ready buckets, strictly in bucket order, as every rank does; `read`
+        gives a parameter's gradient (None: it has none here)."""
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             bucket = self.buckets[self._next_launch]
-            grad_bucket = GradBucket(bucket.index, bucket.buffer, self.process_group)
-            self._inflight[bucket.index] = self._hook(self._hook_state, grad_bucket)
+            self._inflight[bucket.index] = self._reduce(bucket, [read(p) for p in bucket.params])
             self._next_launch += 1
             self.launched_in_backward += in_backward
+
+    def _reduce(self, bucket: Bucket, grads: list[torch.Tensor | None]) -> Callable[[], list[torch.Tensor]]:
+        group = self._hook_state or self.process_group
+        if (self._hook is allreduce_hook and group.coalesces_for_free and not self.gradient_as_bucket_view
+                and all(g is not None and g.layout == torch.strided and g.is_contiguous() and not g.requires_grad
+                        for g in grads)):
+            work = group.all_reduce_coalesced([g.view(-1) for g in grads], ReduceOp.AVG)
+
+            def reduced_in_place() -> list[torch.Tensor]:
+                work.wait()
+                return grads
+            return reduced_in_place
+        for i, grad in enumerate(grads):
+            view = bucket.view(i)
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():  # already there when .grad is the bucket's view
+                view.copy_(grad)
+        pending = self._hook(self._hook_state, GradBucket(bucket.index, bucket.buffer, self.process_group))
+        return lambda: bucket.split(pending.wait())
 
     def _finish_backward(self) -> None:
         """Runs once autograd has finished this backward: reduce what is left, wait, write `.grad`."""
         self._in_backward = False
-        self._complete_reduction(lambda param: param.grad, _write_grad)
+        self._complete_reduction(_grad_of, self._write_grad)
+
+    def _write_grad(self, param: torch.Tensor, result: torch.Tensor) -> None:
+        if param.grad is not None and param.grad.data_ptr() == result.data_ptr():
+            return  # reduced where it lies
+        if self.gradient_as_bucket_view:
+            param.grad = result  # the bucket's view: later backwards accumulate there, and nothing is copied
+        elif param.grad is None:
+            param.grad = result.clone()
+        else:
+            param.grad.copy_(result)
 
     def awaits_reduction(self) -> bool:
         """Whether the last forward, run on this thread, prepared a synchronized backward whose
@@ -174,7 +203,6 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             for i, param in enumerate(bucket.params):
                 if param in grads:
-                    bucket.view(i).copy_(grads[param])
                     bucket.mark_ready(i)
         averaged: dict[torch.Tensor, torch.Tensor] = {}
         self._complete_reduction(grads.get, lambda param, result: averaged.__setitem__(param, result.clone()))
@@ -182,18 +210,13 @@ class DistributedDataParallel(nn.Module):
 
     def _complete_reduction(self, read: Callable[[torch.Tensor], torch.Tensor | None],
                             write: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-        """Put the gradients of parameters this backward did not reach into their buckets (from
-        `read`), reduce every bucket, wait, and hand each averaged gradient to `write`."""
+        """Reduce every bucket not reduced yet, with the gradients `read` gives (for a parameter this
+        backward did not reach, one accumulated under no_sync(), or none), wait, and hand each averaged
+        gradient to `write`."""
         unused = [(b, i) for b in self.buckets for i, ready in enumerate(b.ready) if not ready]
         for bucket, i in unused:
-            # Not reached by this backward, but it may hold a gradient accumulated under no_sync().
-            grad = read(bucket.params[i])
-            if grad is None:
-                bucket.view(i).zero_()
-            else:
-                bucket.view(i).copy_(grad)
             bucket.mark_ready(i)
-        self._launch_ready(in_backward=False)  # every bucket, on every rank: collectives stay paired
+        self._launch_ready(read, in_backward=False)  # every bucket, on every rank: collectives stay paired
         if unused and not self.find_unused_parameters:
             self._drain()
             names = [b.names[i] for b, i in unused]
@@ -208,15 +231,15 @@ class DistributedDataParallel(nn.Module):
                                  dtype=torch.int32)
             self.process_group.all_reduce(flags).wait()
             used = iter(flags.tolist())
-        for bucket, pending in zip(self.buckets, self._drain(), strict=True):
-            for i, param in enumerate(bucket.params):
+        for bucket, results in zip(self.buckets, self._drain(), strict=True):
+            for param, result in zip(bucket.params, results, strict=True):
                 globally_used = True if used is None else next(used) > 0
-                if not globally_used:
-                    continue
-                write(param, pending[bucket.offsets[i]:bucket.offsets[i + 1]].view_as(param))
+                if globally_used:
+                    write(param, result)
 
-    def _drain(self) -> list[torch.Tensor]:
-        results = [pending.wait() for pending in self._inflight if pending is not None]
+    def _drain(self) -> list[list[torch.Tensor]]:
+        """Wait for the reductions in flight; each bucket's averaged gradients, shaped as its parameters."""
+        results = [wait() for wait in self._inflight if wait is not None]
         self._inflight = [None] * len(self.buckets)
         return results
 
@@ -228,11 +251,8 @@ def replicas_awaiting_reduction() -> list[DistributedDataParallel]:
     return sorted((r for r in list(_replicas) if r.awaits_reduction()), key=lambda r: r._number)
 
 
-def _write_grad(param: torch.Tensor, result: torch.Tensor) -> None:
-    if param.grad is None:
-        param.grad = result.clone()
-    elif param.grad.data_ptr() != result.data_ptr():  # not already the bucket's view
-        param.grad.copy_(result)
+def _grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    return param.grad
 
 
 def _single_device(module: nn.Module, device_ids: list[int | torch.device] | None,
