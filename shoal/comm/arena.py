@@ -199,8 +199,14 @@ class Arena:
                 value = word.value
 
     def _refuse_abandoned(self, index: int) -> None:
-        if self._members[index].abandoned.value:
+        member = self._members[index]
+        if member.abandoned.value:
             self.abandon()  # and so those waiting for us stop as soon
+            theirs = member.operation()
+            if theirs is not None and theirs[0] == self._op.seq and theirs[2] != self._op.sig:
+                # It gave up on this very operation, having called another collective: that is the error,
+                # whether we see its mark here or hear of it over the transport first.
+                raise self._mismatch(index, theirs)
             raise GroupBrokenError(f"{self._op.name}: rank {self.ranks[index]} failed in this group earlier and "
                                    f"left its shared memory out of step; destroy the group and create a new one")
 
