@@ -164,6 +164,14 @@ def _coalesced(rank: int, world: int) -> None:
                                       op=reduce_op)
             whole[total - 7:] = tail
         _check(whole, _reference(inputs, op), f"all_reduce_coalesced {op}")
+    small = [_data(r, 1000, torch.int64, seed=7) for r in range(world)]  # one round: everyone reduces all
+    pieces = small[rank].clone()
+    dist.all_reduce_coalesced([pieces[:10], pieces[10:10], pieces[10:999], pieces[999:]], op=dist.ReduceOp.AVG)
+    _check(pieces, _reference(small, "AVG"), "all_reduce_coalesced AVG int64, small")
+    shared = _data(rank, total, torch.float32, seed=8)  # twice the same memory: as if packed, each gets the sum
+    dist.all_reduce_coalesced([shared, shared])
+    _check(shared, _reference([_data(r, total, torch.float32, seed=8) for r in range(world)], "SUM"),
+           "all_reduce_coalesced of one tensor twice")
     with pytest.raises(ValueError, match="must match"):
         dist.all_reduce_coalesced([torch.ones(2), torch.ones(2, dtype=torch.int64)])
 

@@ -185,8 +185,9 @@ class ShoalProcessGroup(ProcessGroup):
                 work.finish()
             except CollectiveMismatchError as exc:
                 # Every rank aborted this op alike, so the group stays usable; frames of the failed op
-                # may still be landing in the scratch buffer, so the next op gets a fresh one.
+                # may still be landing in the scratch or packing buffer, so the next op gets fresh ones.
                 self._scratch = torch.empty(0, dtype=torch.uint8)
+                self._packing = torch.empty(0, dtype=torch.uint8)
                 work.finish(exc)
             except Exception as exc:
                 self._broken = exc
@@ -205,11 +206,20 @@ class ShoalProcessGroup(ProcessGroup):
         return self._start_all_reduce_coalesced([tensor], op, blocking)
 
     def _start_all_reduce_coalesced(self, tensors: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
-        staged = [_staged(t) for t in tensors]
-        data = Segments([flat for flat, _ in staged])
+        copies = [_staged(t) for t in tensors]
+        given = Segments([flat for flat, _ in copies])
+        # Tensors that share memory are reduced as one packed copy: reduced where they lie, a later round
+        # would read what an earlier one wrote.
+        data = given if given.disjoint() else Segments([torch.cat(given.tensors)])
+
+        def finish() -> None:
+            given.unpack(data.tensors[0])
+            for _, back in copies:
+                back()
+
         # The same collective as an all_reduce of the concatenation, which another rank may pass instead.
         return self._collective("all_reduce", data.tensors[0], self._routed(routing.all_reduce, data, op), redop=op,
-                                numel=data.numel, finish=lambda: [back() for _, back in staged], blocking=blocking)
+                                numel=data.numel, finish=finish, blocking=blocking)
 
     def _start_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool) -> Work:
         flat, back = _staged(tensor)

@@ -47,6 +47,8 @@ def all_reduce(ch: OpChannel, placement: Placement, data: Segments, op: ReduceOp
     if placement.shared:
         _in_arena(ch, placement, lambda: intrahost.all_reduce(arena, data, op))
         return
+    if ch.size == 1:
+        return
     flat = data.packed(ch.packing)  # the ring sends from one buffer
     if placement.apart:
         ring.all_reduce(ch, flat, op)  # no arena to tell

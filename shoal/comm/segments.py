@@ -5,6 +5,7 @@ and unpacking the result after: two passes over memory saved where the algorithm
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,6 +38,11 @@ class Segments:
                 start = end
             i += 1
         return found
+
+    def disjoint(self) -> bool:
+        """Whether no two of the tensors share memory."""
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in self.tensors if t.numel())
+        return all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
 
     def packed(self, memory: Callable[[int], torch.Tensor]) -> torch.Tensor:
         """The concatenation as one tensor: the only tensor itself, or a copy in `memory(nbytes)` (bytes)."""
