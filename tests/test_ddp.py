@@ -171,6 +171,7 @@ def _used_by_one_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
     # Rank 0 has no gradient for the extra head: it packs zeros into that bucket, while rank 1 reduces
     # its gradients where they lie; both take part in the same collective.
     nn.functional.cross_entropy(ddp(x, rank == 1), y).backward()
+    assert [b._buffer is not None for b in ddp.buckets] == [rank == 0], "each rank took its own way"
     return {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
 
 

@@ -62,8 +62,8 @@ class Bucket:
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat` (laid out as the buffer) cut into each parameter's slice, shaped like the parameter."""
-        return [flat[start:stop].view_as(p) for p, start, stop in zip(self.params, self.offsets, self.offsets[1:],
-                                                                        strict=False)]
+        return [flat[start:stop].view_as(p)
+                for p, start, stop in zip(self.params, self.offsets[:-1], self.offsets[1:], strict=True)]
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)

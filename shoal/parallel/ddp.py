@@ -36,9 +36,10 @@ class DistributedDataParallel(nn.Module):
     takes rank 0's parameters and buffers. In backward, a hook on each parameter marks its gradient
     in; a full bucket is all-reduced at once, asynchronously, in bucket order on every rank; when
     backward finishes, the buckets are awaited and `.grad` holds the averages. With the default
-    communication hook a bucket's gradients are reduced where they lie, as one collective; otherwise
-    (another hook, gradient_as_bucket_view, a gradient missing or laid out otherwise) they are packed
-    into the bucket's buffer first and the averages copied back.
+    communication hook on a group that coalesces for free (shoal's), a bucket's gradients are reduced
+    where they lie, as one collective; otherwise (gloo, another hook, gradient_as_bucket_view, a
+    gradient that is missing or laid out otherwise) they are packed into the bucket's buffer first
+    and the averages copied back.
     """
 
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
@@ -156,8 +157,7 @@ class DistributedDataParallel(nn.Module):
     def _reduce(self, bucket: Bucket, grads: list[torch.Tensor | None]) -> Callable[[], list[torch.Tensor]]:
         group = self._hook_state or self.process_group
         if (self._hook is allreduce_hook and group.coalesces_for_free and not self.gradient_as_bucket_view
-                and all(g is not None and g.layout == torch.strided and g.is_contiguous() and not g.requires_grad
-                        for g in grads)):
+                and all(_plain_cpu_tensor(g) for g in grads)):
             work = group.all_reduce_coalesced([g.view(-1) for g in grads], ReduceOp.AVG)
 
             def reduced_in_place() -> list[torch.Tensor]:
@@ -171,7 +171,13 @@ class DistributedDataParallel(nn.Module):
             elif grad.data_ptr() != view.data_ptr():  # already there when .grad is the bucket's view
                 view.copy_(grad)
         pending = self._hook(self._hook_state, GradBucket(bucket.index, bucket.buffer, self.process_group))
-        return lambda: bucket.split(pending.wait())
+
+        def packed_results() -> list[torch.Tensor]:
+            flat = pending.wait()
+            if self.gradient_as_bucket_view and flat.data_ptr() != bucket.buffer.data_ptr():
+                flat = bucket.buffer.copy_(flat)  # the hook answered elsewhere; .grad is to view the bucket
+            return bucket.split(flat)
+        return packed_results
 
     def _finish_backward(self) -> None:
         """Runs once autograd has finished this backward: reduce what is left, wait, write `.grad`."""
@@ -253,6 +259,13 @@ def replicas_awaiting_reduction() -> list[DistributedDataParallel]:
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor | None:
     return param.grad
+
+
+def _plain_cpu_tensor(grad: torch.Tensor | None) -> bool:
+    """Whether a gradient can be reduced where it lies: dense, contiguous, on the CPU (a GPU tensor
+    would be staged one by one), no lazy conjugate or negation, and outside autograd."""
+    return (grad is not None and grad.layout == torch.strided and grad.device.type == "cpu" and grad.is_contiguous()
+            and not grad.requires_grad and not grad.is_conj() and not grad.is_neg())
 
 
 def _single_device(module: nn.Module, device_ids: list[int | torch.device] | None,
