@@ -11,33 +11,28 @@ busbw = algbw * 2(n-1)/n (the traffic each link carries in a ring, as nccl-tests
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
+from benchmarks._steps import interleaved
 from shoal.ports import free_port
 
 SIZES = {"4KiB": 4 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
 
 
-def _time_ops(op, barrier, nbytes: int, repeats: int) -> float:
-    """Median seconds per op over `repeats` batches of back-to-back ops (batches sized to ~0.2 s)."""
-    per_batch = max(1, min(100, int(0.2 / max(nbytes / 1e9, 1e-4))))
-    for _ in range(2):
-        op()
-    samples = []
-    for _ in range(repeats):
-        barrier()
-        start = time.perf_counter()
-        for _ in range(per_batch):
+def _batch(op, nbytes: int) -> tuple[Callable[[], None], int]:
+    """`op` run back to back, as many times as fill ~0.2 s, and that count."""
+    count = max(1, min(100, int(0.2 / max(nbytes / 1e9, 1e-4))))
+
+    def batch() -> None:
+        for _ in range(count):
             op()
-        samples.append((time.perf_counter() - start) / per_batch)
-    return statistics.median(samples)
+    return batch, count
 
 
 def _worker(rank: int, world_size: int, ports: tuple[int, int], sizes: list[str], repeats: int, results) -> None:
@@ -55,10 +50,13 @@ def _worker(rank: int, world_size: int, ports: tuple[int, int], sizes: list[str]
     for label in sizes:
         nbytes = SIZES[label]
         tensor = torch.ones(nbytes // 4)
+        batches = {"shoal": _batch(partial(dist.all_reduce, tensor), nbytes),
+                   "gloo": _batch(partial(tdist.all_reduce, tensor), nbytes)}
+        # One batch of each in turn: this machine's speed drifts, and should slow both alike.
+        medians = interleaved({name: batch for name, (batch, _) in batches.items()}, repeats, dist.barrier)
         times = {}
-        for name, op, barrier in (("shoal", partial(dist.all_reduce, tensor), dist.barrier),
-                                  ("gloo", partial(tdist.all_reduce, tensor), tdist.barrier)):
-            seconds = torch.tensor([_time_ops(op, barrier, nbytes, repeats)], dtype=torch.float64)
+        for name, (_, count) in batches.items():
+            seconds = torch.tensor([medians[name] / count], dtype=torch.float64)
             tdist.all_reduce(seconds, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
             times[name] = seconds.item()
         rows.append((label, nbytes, times))
@@ -87,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
-    parser.add_argument("--repeats", type=int, default=7, help="timed batches per size (median taken)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed batches per size and backend (median taken)")
     parser.add_argument("--quick", action="store_true", help="world size 2 and 3 repeats")
     parser.add_argument("--markdown", help="also append the table to this file")
     args = parser.parse_args(argv)
