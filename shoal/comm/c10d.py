@@ -1,5 +1,10 @@
-"""ProcessGroup that delegates to torch.distributed (backend "gloo" on CPUs, "nccl" on GPUs), so every
-shoal feature also runs on PyTorch's own engine by changing one argument."""
+"""ProcessGroup that delegates to torch.distributed's engines (backend "gloo" on CPUs, "nccl" on GPUs), so
+every shoal feature also runs on PyTorch's own engine by changing one argument.
+
+Each group builds its engine object itself, over its own prefix of the job's store, and calls it
+directly: torch.distributed's global state (its default group, its registry of groups) is never
+touched. A script may then initialize torch.distributed itself beside shoal, and shoal can build as
+many groups, and rebuild them, as it needs."""
 
 from __future__ import annotations
 
@@ -10,6 +15,17 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
 
 from shoal.comm.group import ProcessGroup
 from shoal.comm.reduce_op import ReduceOp, finish_
@@ -29,8 +45,8 @@ _PEER_LOST_HINTS = ("Connection closed by peer", "Connection reset by peer", "Br
 # A Gloo worker thread drops its reference to an operation just after completing it. If that is the last
 # reference, it frees the operation's tensors there, which takes the GIL; once the interpreter is
 # finalizing, taking the GIL ends the thread inside C++ and aborts the process ("terminate called without
-# an active exception"). Torch keeps process groups alive past destroy_process_group once torch._dynamo
-# is imported (torch.optim does), so their threads run on to the very end. Each Gloo group therefore
+# an active exception"). A group that the script never destroys keeps its threads to the very end. Each
+# Gloo group therefore
 # holds its last operations (more than its two workers can be finishing at once), and at shutdown hands
 # them to this list, which only the interpreter's own teardown frees, on its main thread: a worker's
 # drop of a recent operation is then not the last. An operation still running at exit is not covered.
@@ -72,13 +88,36 @@ class _TorchWork(Work):
         return super().is_completed()
 
 
+def _engine(backend: str, store: tdist.Store, rank: int, size: int, timeout: timedelta):
+    """torch's engine for one group of `size` ranks, meeting its peers under `store`."""
+    if backend == "gloo":
+        return tdist.ProcessGroupGloo(store, rank, size, timeout)
+    options = tdist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return tdist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _options(kind, **fields):
+    options = kind()
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
+
+
+def _reducing(kind, op: ReduceOp, **fields):
+    return _options(kind, reduceOp=_TORCH_OPS[op], **fields)
+
+
 class C10dProcessGroup(ProcessGroup):
-    def __init__(self, backend: str, pg, ranks: Sequence[int], global_rank: int, timeout: timedelta,
-                 *, is_world: bool) -> None:
+    """Ranks given to the engine are member indices, as in shoal's own groups."""
+
+    def __init__(self, backend: str, store: tdist.Store, ranks: Sequence[int], global_rank: int,
+                 timeout: timedelta) -> None:
         super().__init__(ranks, global_rank, timeout)
         self.backend = backend
-        self._pg = pg
-        self._is_world = is_world
+        self._store = store
+        self._engine = _engine(backend, store, self.rank, self.size, timeout)
+        self._subgroups_made = 0
         # See _held_until_exit (seen with Gloo; NCCL's teardown is its own).
         self._recent: collections.deque | None = collections.deque(maxlen=_RECENT_OPS) if backend == "gloo" else None
 
@@ -87,11 +126,7 @@ class C10dProcessGroup(ProcessGroup):
                timeout: timedelta) -> C10dProcessGroup:
         if backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs CUDA GPUs; use backend 'gloo' or 'shoal' on CPUs")
-        if tdist.is_initialized():
-            raise RuntimeError("torch.distributed already has a default process group; destroy it first")
-        tdist.init_process_group(backend, store=tdist.PrefixStore(store.prefix + "c10d/", store.raw),
-                                 rank=rank, world_size=world_size, timeout=timeout)
-        return cls(backend, tdist.group.WORLD, range(world_size), rank, timeout, is_world=True)
+        return cls(backend, tdist.PrefixStore(store.prefix + "c10d/", store.raw), range(world_size), rank, timeout)
 
     def _wrap(self, name: str, work, then: Callable[[], None] = lambda: None) -> Work:
         if self._recent is not None:
@@ -100,7 +135,7 @@ class C10dProcessGroup(ProcessGroup):
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Work:
         t, back = staged(tensor)
-        work = tdist.all_reduce(t, _TORCH_OPS[op], group=self._pg, async_op=True)
+        work = self._engine.allreduce([t], _reducing(AllreduceOptions, op))
         return self._wrap("all_reduce", work, lambda: (finish_(t, op, self.size), back()))
 
     def _start_all_reduce_coalesced(self, tensors: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
@@ -111,60 +146,49 @@ class C10dProcessGroup(ProcessGroup):
             for tensor, piece in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
                 tensor.copy_(piece.view_as(tensor))
 
-        work = tdist.all_reduce(flat, _TORCH_OPS[op], group=self._pg, async_op=True)
+        work = self._engine.allreduce([flat], _reducing(AllreduceOptions, op))
         return self._wrap("all_reduce", work, then)
 
     def _start_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool) -> Work:
         t, back = staged(tensor)
-        return self._wrap("broadcast", tdist.broadcast(t, self.ranks[src], group=self._pg, async_op=True), back)
+        work = self._engine.broadcast([t], _options(BroadcastOptions, rootRank=src, rootTensor=0))
+        return self._wrap("broadcast", work, back)
 
     def _start_reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, blocking: bool) -> Work:
         # gloo's reduce scribbles over non-root inputs; reduce a copy there so they stay as they were.
         t, back = staged(tensor) if self.rank == dst else (tensor.clone(), lambda: None)
-        work = tdist.reduce(t, self.ranks[dst], _TORCH_OPS[op], group=self._pg, async_op=True)
+        work = self._engine.reduce([t], _reducing(ReduceOptions, op, rootRank=dst, rootTensor=0))
         done = (lambda: (finish_(t, op, self.size), back())) if self.rank == dst else (lambda: None)
         return self._wrap("reduce", work, done)
 
     def _start_all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor, blocking: bool) -> Work:
         outputs = [staged(o) for o in outs]
-        work = tdist.all_gather([s for s, _ in outputs], tensor.contiguous(), group=self._pg, async_op=True)
+        work = self._engine.allgather([[s for s, _ in outputs]], [tensor.contiguous()], AllgatherOptions())
         return self._wrap("all_gather", work, lambda: [back() for _, back in outputs])
 
     def _start_gather(self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, blocking: bool) -> Work:
         outputs = [staged(o) for o in outs] if outs is not None else []
-        work = tdist.gather(tensor.contiguous(), [s for s, _ in outputs] if outs is not None else None,
-                            dst=self.ranks[dst], group=self._pg, async_op=True)
+        gathered = [[s for s, _ in outputs]] if self.rank == dst else []
+        work = self._engine.gather(gathered, [tensor.contiguous()], _options(GatherOptions, rootRank=dst))
         return self._wrap("gather", work, lambda: [back() for _, back in outputs])
 
     def _start_scatter(self, tensor: torch.Tensor, ins: list[torch.Tensor] | None, src: int, blocking: bool) -> Work:
         t, back = staged(tensor)
-        blocks = [i.contiguous() for i in ins] if ins is not None else None
-        work = tdist.scatter(t, blocks, src=self.ranks[src], group=self._pg, async_op=True)
+        blocks = [[i.contiguous() for i in ins]] if self.rank == src else []
+        work = self._engine.scatter([t], blocks, _options(ScatterOptions, rootRank=src))
         return self._wrap("scatter", work, back)
 
     def _start_reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
         t, back = staged(out)
-        if self.backend == "gloo":
-            # gloo has no reduce_scatter; a full all-reduce of the concatenation gives the same result.
-            whole = torch.cat([i.reshape(-1) for i in ins])
-            work = tdist.all_reduce(whole, _TORCH_OPS[op], group=self._pg, async_op=True)
-
-            def done() -> None:
-                t.view(-1).copy_(whole[self.rank * t.numel():(self.rank + 1) * t.numel()])
-                finish_(t, op, self.size)
-                back()
-
-            return self._wrap("reduce_scatter", work, done)
-        work = tdist.reduce_scatter(t, [i.contiguous() for i in ins], _TORCH_OPS[op], group=self._pg,
-                                    async_op=True)
+        work = self._engine.reduce_scatter([t], [[i.contiguous() for i in ins]], _reducing(ReduceScatterOptions, op))
         return self._wrap("reduce_scatter", work, lambda: (finish_(t, op, self.size), back()))
 
     def _start_all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], blocking: bool) -> Work:
         # One flat exchange with split sizes: gloo's list form wants one size for every pair of ranks.
         sent = torch.cat([t.reshape(-1) for t in ins])
         got = torch.empty(sum(o.numel() for o in outs), dtype=sent.dtype, device=sent.device)
-        work = tdist.all_to_all_single(got, sent, [o.numel() for o in outs], [t.numel() for t in ins],
-                                       group=self._pg, async_op=True)
+        work = self._engine.alltoall_base(got, sent, [o.numel() for o in outs], [t.numel() for t in ins],
+                                          AllToAllOptions())
 
         def unpack() -> None:
             for out, block in zip(outs, torch.split(got, [o.numel() for o in outs]), strict=True):
@@ -173,27 +197,28 @@ class C10dProcessGroup(ProcessGroup):
         return self._wrap("all_to_all", work, unpack)
 
     def _start_barrier(self, blocking: bool) -> Work:
-        return self._wrap("barrier", tdist.barrier(group=self._pg, async_op=True))
+        return self._wrap("barrier", self._engine.barrier(BarrierOptions()))
 
     def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work:
-        work = tdist.isend(tensor.contiguous(), self.ranks[dst], group=self._pg, tag=tag)
+        work = self._engine.send([tensor.contiguous()], dst, tag)
         return self._wrap(f"send to rank {self.ranks[dst]}", work)
 
     def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work:
         t, back = staged(tensor)
-        work = tdist.irecv(t, self.ranks[src], group=self._pg, tag=tag)
+        work = self._engine.recv([t], src, tag)
         return self._wrap(f"recv from rank {self.ranks[src]}", work, back)
 
     def new_subgroup(self, ranks: Sequence[int]) -> C10dProcessGroup | None:
-        pg = tdist.new_group(list(ranks), timeout=self.timeout, backend=self.backend)
+        """Every member of this group calls it, in the same order: that order names the subgroup's part
+        of the store. Only the subgroup's members build an engine."""
+        self._subgroups_made += 1
         if self.ranks[self.rank] not in ranks:
             return None
-        return C10dProcessGroup(self.backend, pg, sorted(ranks), self.ranks[self.rank], self.timeout,
-                                is_world=False)
+        store = tdist.PrefixStore(f"sub{self._subgroups_made}/", self._store)
+        return C10dProcessGroup(self.backend, store, sorted(ranks), self.ranks[self.rank], self.timeout)
 
     def shutdown(self) -> None:
         recent, self._recent = self._recent, None
         if recent is not None:
             _held_until_exit.extend(recent)
-        if tdist.is_initialized():
-            tdist.destroy_process_group(None if self._is_world else self._pg)
+        self._engine.shutdown()
