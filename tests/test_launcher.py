@@ -1,5 +1,5 @@
 """The `shoal run` launcher end to end: environment, rank-prefixed output, failure reports, restarts,
-signals reaching every worker, two launchers forming one static multi-node job."""
+signals reaching every worker, two launchers forming one static multi-node job, the store it serves."""
 
 from __future__ import annotations
 
@@ -97,6 +97,21 @@ def test_two_launchers_form_one_static_multi_node_job() -> None:
     assert [node.returncode for node in nodes] == [0, 0]
     assert "[rank0]: sum 10 of world 4" in outputs[0] and "[rank1]: sum 10 of world 4" in outputs[0]
     assert "[rank2]: sum 10 of world 4" in outputs[1] and "[rank3]: sum 10 of world 4" in outputs[1]
+
+
+def test_the_store_outlives_rank_0_because_the_launcher_serves_it() -> None:
+    # Were rank 0 serving it, the store would have gone with rank 0's process.
+    result = _launch("--nproc-per-node", "2", str(SCRIPTS / "regroup_after_rank0_leaves.py"))
+    assert result.returncode == 0, result.stderr
+    assert "[rank1]: regrouped alone after rank 0 left: sum 2" in result.stdout
+
+
+def test_a_script_may_initialize_torch_distributed_beside_shoal_from_the_environment() -> None:
+    # Both rendezvous read MASTER_ADDR:MASTER_PORT; neither tries to serve it, the launcher does.
+    result = _launch("--nproc-per-node", "2", str(SCRIPTS / "torch_and_shoal_env.py"))
+    assert result.returncode == 0, result.stderr
+    assert sorted(line for line in result.stdout.splitlines() if "torch" in line) == [
+        "[rank0]: torch 2 shoal 20", "[rank1]: torch 2 shoal 20"]
 
 
 def test_bad_launcher_arguments_are_refused() -> None:

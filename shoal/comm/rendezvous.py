@@ -1,5 +1,9 @@
 """Rendezvous: turn `init_method`, rank and world size into a shared store every rank has joined,
-checking that the ranks agree on the world size and that no rank is claimed twice."""
+checking that the ranks agree on the world size and that no rank is claimed twice.
+
+Under a launcher (`shoal run`, torchrun) the store at MASTER_ADDR:MASTER_PORT is the launcher's: it
+says so with TORCHELASTIC_USE_AGENT_STORE=True, as torchrun does, and every rank joins it as a client,
+so the store outlives any worker. Otherwise rank 0 serves it."""
 
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ class Endpoint:
     port: int
     rank: int
     world_size: int
+    serves_store: bool
+    """Whether this rank runs the store's server: rank 0, unless the launcher runs it."""
 
 
 def resolve(init_method: str, rank: int | None, world_size: int | None) -> Endpoint:
@@ -45,7 +51,12 @@ def resolve(init_method: str, rank: int | None, world_size: int | None) -> Endpo
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
-    return Endpoint(host, port, rank, world_size)
+    return Endpoint(host, port, rank, world_size, serves_store=rank == 0 and not _served_by_launcher(host, port))
+
+
+def _served_by_launcher(host: str, port: int) -> bool:
+    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and (host, str(port)) == (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")))
 
 
 def _env(name: str) -> str:
@@ -57,7 +68,7 @@ def _env(name: str) -> str:
 
 
 # Store connections of this process by endpoint, shared while anyone uses them: a job that runs a
-# process group and RPC on the same MASTER_ADDR:MASTER_PORT needs one server on rank 0, not two.
+# process group and RPC on the same MASTER_ADDR:MASTER_PORT needs one server, not two.
 _connections: weakref.WeakValueDictionary[tuple[str, int], Store] = weakref.WeakValueDictionary()
 _connecting = threading.Lock()
 # How often this process has joined each namespace of each endpoint: the n-th join registers under
@@ -74,7 +85,7 @@ def join(endpoint: Endpoint, timeout: timedelta, namespace: str = "shoal/") -> S
         base = _connections.get((endpoint.host, endpoint.port))
         if base is None:
             base = Store.connect(endpoint.host, endpoint.port, world_size=endpoint.world_size,
-                                 is_server=endpoint.rank == 0, timeout=timeout)
+                                 is_server=endpoint.serves_store, timeout=timeout)
             _connections[(endpoint.host, endpoint.port)] = base
         incarnation = _joins[endpoint.host, endpoint.port, namespace]
         _joins[endpoint.host, endpoint.port, namespace] += 1

@@ -42,7 +42,8 @@ class Store:
         timeout: timedelta = DEFAULT_TIMEOUT,
         prefix: str = "",
     ) -> Store:
-        """Start the store server (rank 0) or connect to it, failing clearly within `timeout`."""
+        """Start the store server (the launcher, or rank 0 without one) or connect to it, failing clearly
+        within `timeout`."""
         if is_server:
             try:
                 tcp = tdist.TCPStore(host, port, world_size, True, timeout=timeout,
@@ -98,4 +99,4 @@ def _wait_until_reachable(host: str, port: int, timeout: timedelta) -> None:
         except OSError as exc:
             error = exc
     raise TimeoutError(f"rendezvous store at {host}:{port} is unreachable after {timeout.total_seconds():g}s "
-                       f"({error}); check MASTER_ADDR/MASTER_PORT and that rank 0 is running")
+                       f"({error}); check MASTER_ADDR/MASTER_PORT and that rank 0 (or the launcher) is running")

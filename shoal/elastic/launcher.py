@@ -4,9 +4,12 @@ rank with torchrun's environment, prefix their output with the rank, and stop th
     shoal run --nproc-per-node 2 train.py --epochs 3
     shoal run --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29500 --nproc-per-node 4 -m my.module
 
-When a worker fails, the others are stopped and the failure is reported (rank, exit code, the tail
-of its output); with `--max-restarts K` all workers are restarted instead, up to K times, each
-attempt on a fresh rendezvous port so that no attempt reads keys another one left behind.
+The launcher of node 0 serves the job's rendezvous store, so the store outlives any worker; it tells
+the workers so with TORCHELASTIC_USE_AGENT_STORE=True, as torchrun does (torch.distributed's own
+env:// rendezvous then joins it too). When a worker fails, the others are stopped and the failure is
+reported (rank, exit code, the tail of its output); with `--max-restarts K` all workers are restarted
+instead, up to K times, each attempt with a fresh store on a fresh port so that no attempt reads keys
+another one left behind.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from shoal.comm.store import Store
 from shoal.orphans import die_with_parent
 from shoal.ports import free_port
 
@@ -39,7 +43,7 @@ class LaunchConfig:
     node_rank: int = 0
     """This node's index, 0..nnodes-1."""
     master_addr: str = "127.0.0.1"
-    """Where global rank 0 serves the rendezvous store."""
+    """Where node 0's launcher serves the rendezvous store."""
     master_port: int | None = None
     """Its port; None picks a free one (single node only)."""
     max_restarts: int = 0
@@ -158,8 +162,11 @@ class Launcher:
         cfg = self.config
         port = cfg.master_port if cfg.master_port is not None else free_port(cfg.master_addr)
         world = cfg.nnodes * cfg.nproc_per_node
+        # Held for the attempt: dropped (and so closed) when it ends.
+        store = Store.connect(cfg.master_addr, port, world_size=world, is_server=True) if cfg.node_rank == 0 else None
         base = dict(os.environ, MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                    LOCAL_WORLD_SIZE=str(cfg.nproc_per_node), SHOAL_RESTART_COUNT=str(attempt))
+                    LOCAL_WORLD_SIZE=str(cfg.nproc_per_node), SHOAL_RESTART_COUNT=str(attempt),
+                    TORCHELASTIC_USE_AGENT_STORE="True")
         if self.secret:
             base["SHOAL_SECRET"] = self.secret
         self._workers = []
@@ -171,6 +178,7 @@ class Launcher:
             return self._watch()
         finally:
             self._stop_all()
+            del store
 
     def _watch(self) -> tuple[_Worker, int] | None:
         """Wait until every worker has exited 0 (None) or one has failed: then the worker that failed
@@ -223,7 +231,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     flag("nproc-per-node", type=int, default=1)
     flag("nnodes", type=str, default="1", help="N (static); MIN:MAX is accepted only when MIN == MAX")
     flag("node-rank", type=int, default=0)
-    flag("rdzv-endpoint", type=str, default=None, help="host:port of global rank 0's store")
+    flag("rdzv-endpoint", type=str, default=None, help="host:port of the store that node 0's launcher serves")
     flag("master-addr", type=str, default=None)
     flag("master-port", type=int, default=None)
     flag("max-restarts", type=int, default=0)

@@ -85,7 +85,7 @@ class RpcAgent:
         timeout = timedelta(seconds=options.init_timeout)
         endpoint = rendezvous.resolve(options.init_method, rank, world_size)
         rank, world_size = endpoint.rank, endpoint.world_size
-        # A namespace of its own: a process group may share this store (and rank 0's server).
+        # A namespace of its own: a process group may share this store (and its server).
         store = rendezvous.join(endpoint, timeout, namespace="shoal-rpc/")
         host = rendezvous.local_address_towards(endpoint.host)
         secret, session = rendezvous.job_secret(store, rank, host, timeout)
@@ -98,7 +98,7 @@ class RpcAgent:
             store.set(f"named/{rank}", 1)
             names = [entry[0] for entry in entries]
             if names.count(name) > 1:
-                if rank == 0:  # it serves the store: stay until every worker has read the names
+                if rank == 0:  # it may serve the store: stay until every worker has read the names
                     store.wait([f"named/{r}" for r in range(world_size)], timeout=timeout)
                 raise ValueError(f"init_rpc: worker name {name!r} is taken by ranks "
                                  f"{[r for r, n in enumerate(names) if n == name]}; every worker needs its own name")
@@ -382,7 +382,7 @@ class RpcAgent:
     def _wait_for_everyone(self, deadline: float) -> None:
         self.store.set(f"done/{self.rank}", 1)
         self._wait_for_keys("done", deadline, "finish its RPCs")
-        # Rank 0 serves the store: it leaves last, once nobody needs to read from it any more.
+        # Rank 0 serves the store when no launcher does: it leaves last, once nobody needs to read from it.
         self.store.set(f"left/{self.rank}", 1)
         if self.rank == 0:
             self._wait_for_keys("left", deadline, "leave")
@@ -390,7 +390,7 @@ class RpcAgent:
     def _wait_for_keys(self, name: str, deadline: float, what: str) -> None:
         # Polled: a worker that dies meanwhile (it joins _gone) must not be waited for. With
         # backoff: a server may wait here for its trainers' whole run, and every poll is a request
-        # to the store that rank 0 serves.
+        # to the store.
         for rank in range(len(self._workers)):
             for _ in attempts(deadline, first=0.005, limit=0.1, factor=1.5):
                 if rank in self._gone or self.store.has(f"{name}/{rank}"):
