@@ -15,11 +15,10 @@ from datetime import timedelta
 
 import torch
 
-from shoal.comm import dtypes, placement, ring, routing
+from shoal.comm import dtypes, mesh, placement, ring, routing
 from shoal.comm.frames import Op, Recv, SendTracker, Signature
 from shoal.comm.group import ProcessGroup
 from shoal.comm.reduce_op import ReduceOp
-from shoal.comm.rendezvous import job_secret, local_address_towards
 from shoal.comm.segments import Segments
 from shoal.comm.staging import staged
 from shoal.comm.store import Store
@@ -114,14 +113,11 @@ class ShoalProcessGroup(ProcessGroup):
     @classmethod
     def create(cls, store: Store, rank: int, world_size: int, timeout: timedelta,
                master_host: str) -> ShoalProcessGroup:
-        """The world group: listen, publish our address, and connect to every other rank."""
-        host = local_address_towards(master_host)
-        secret, session = job_secret(store, rank, host, timeout)
-        transport = Transport(rank, world_size, secret=secret, session=session, host=host, stall_timeout=timeout)
+        """The world group: connected to every other rank (mesh.py)."""
+        transport, entries = mesh.listen(store, rank, world_size, toward=master_host, timeout=timeout,
+                                         stall_timeout=timeout)
         try:
-            store.set(f"transport/{rank}", list(transport.address))
-            addresses = {r: store.get(f"transport/{r}", timeout=timeout) for r in range(rank)}
-            transport.connect_mesh(addresses, timeout)
+            mesh.connect(transport, entries, timeout)
         except BaseException:
             transport.close()
             raise

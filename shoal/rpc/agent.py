@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from shoal.backoff import attempts
-from shoal.comm import rendezvous
+from shoal.comm import mesh, rendezvous
 from shoal.comm.transport import Transport
 from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.rpc import autograd_hook, current
@@ -87,14 +87,10 @@ class RpcAgent:
         rank, world_size = endpoint.rank, endpoint.world_size
         # A namespace of its own: a process group may share this store (and its server).
         store = rendezvous.join(endpoint, timeout, namespace="shoal-rpc/")
-        host = rendezvous.local_address_towards(endpoint.host)
-        secret, session = rendezvous.job_secret(store, rank, host, timeout)
-        transport = Transport(rank, world_size, secret=secret, session=session, host=host,
-                              stall_timeout=timedelta(seconds=options.rpc_timeout))
+        transport, entries = mesh.listen(store, rank, world_size, toward=endpoint.host, timeout=timeout,
+                                         stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,))
         agent: RpcAgent | None = None
         try:
-            store.set(f"worker/{rank}", [name, *transport.address])
-            entries = [store.get(f"worker/{r}", timeout=timeout) for r in range(world_size)]
             store.set(f"named/{rank}", 1)
             names = [entry[0] for entry in entries]
             if names.count(name) > 1:
@@ -108,7 +104,7 @@ class RpcAgent:
             if hook is not None:
                 hook.started(rank)
             current.set_current(agent)  # calls may arrive as soon as we connect, before init_rpc returns
-            transport.connect_mesh({r: (entries[r][1], entries[r][2]) for r in range(rank)}, timeout)
+            mesh.connect(transport, entries, timeout)
             # Nobody sends before every agent listens for RPC frames.
             store.set(f"ready/{rank}", 1)
             store.wait([f"ready/{r}" for r in range(world_size)], timeout=timeout)

@@ -1,0 +1,36 @@
+"""How the members of a group bring up their mesh of authenticated links, the same way for process
+groups and RPC: each listens on the interface that reaches the store, publishes its address under the
+group's part of the store (with a card: what else its peers should know of it, such as an RPC name),
+reads everyone's, and then connects to every lower rank."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from shoal.comm.rendezvous import job_secret, local_address_towards
+from shoal.comm.store import Store
+from shoal.comm.transport import Transport
+
+
+def listen(store: Store, rank: int, world_size: int, *, toward: str, timeout: timedelta,
+           stall_timeout: timedelta, card: tuple[Any, ...] = ()) -> tuple[Transport, list[list[Any]]]:
+    """Our transport, listening and published, and every member's entry, [*card, host, port], in rank
+    order. `toward` is the store's host: the interface that reaches it is the one peers can reach. The
+    transport is closed if any step fails."""
+    host = local_address_towards(toward)
+    secret, session = job_secret(store, rank, host, timeout)
+    transport = Transport(rank, world_size, secret=secret, session=session, host=host, stall_timeout=stall_timeout)
+    try:
+        store.set(f"members/{rank}", [*card, *transport.address])
+        entries = [store.get(f"members/{r}", timeout=timeout) for r in range(world_size)]
+    except BaseException:
+        transport.close()
+        raise
+    return transport, entries
+
+
+def connect(transport: Transport, entries: list[list[Any]], timeout: timedelta) -> None:
+    """Connect to every lower rank and wait for every higher one (the caller closes the transport if
+    this fails)."""
+    transport.connect_mesh({r: (entries[r][-2], entries[r][-1]) for r in range(transport.rank)}, timeout)
