@@ -45,7 +45,7 @@ def _model_and_batch(name: str, rank: int):
     return model, batch
 
 
-def _worker(rank: int, ports: tuple[int, int], steps: int, results) -> None:
+def _worker(rank: int, ports: tuple[int, int, int], steps: int, results) -> None:
     import torch
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -59,6 +59,8 @@ def _worker(rank: int, ports: tuple[int, int], steps: int, results) -> None:
     timeout = timedelta(seconds=300)
     dist.init_process_group("gloo", f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2, timeout=timeout)
     gloo = dist.default_group()
+    # torch DDP's own group: shoal's "gloo" leaves torch.distributed's default group to the script.
+    tdist.init_process_group("gloo", f"tcp://127.0.0.1:{ports[2]}", rank=rank, world_size=2, timeout=timeout)
     native = ShoalProcessGroup.create(join(Endpoint("127.0.0.1", ports[1], rank, 2), timeout), rank, 2, timeout,
                                       "127.0.0.1")
     rows = []
@@ -81,10 +83,11 @@ def _worker(rank: int, ports: tuple[int, int], steps: int, results) -> None:
         results.put(rows)
     native.shutdown()
     dist.destroy_process_group()
+    tdist.destroy_process_group()
 
 
 def run(steps: int) -> list[dict]:
-    return _ranks.run(_worker, 2, (free_port(), free_port()), steps)
+    return _ranks.run(_worker, 2, (free_port(), free_port(), free_port()), steps)
 
 
 def _hidden(step: float, compute: float, comm: float) -> str:

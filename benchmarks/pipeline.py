@@ -163,7 +163,6 @@ def _worker(rank: int, ports: tuple[int, int], args: argparse.Namespace, results
     import torch
     import torch.distributed as tdist
 
-    import shoal.distributed as dist
     from shoal.comm.native import ShoalProcessGroup
     from shoal.comm.rendezvous import Endpoint, join
 
@@ -171,8 +170,8 @@ def _worker(rank: int, ports: tuple[int, int], args: argparse.Namespace, results
     # Both pipelines run a full backward through torch.autograd.backward (Tensor.backward too): time them all.
     torch.autograd.backward = _timed(torch.autograd.backward)
     timeout = timedelta(seconds=300)
-    # torch's pipelining runs on torch.distributed's default group, which our "gloo" backend creates.
-    dist.init_process_group("gloo", f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=STAGES, timeout=timeout)
+    # torch's pipelining runs on torch.distributed's default group.
+    tdist.init_process_group("gloo", f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=STAGES, timeout=timeout)
     native = ShoalProcessGroup.create(join(Endpoint("127.0.0.1", ports[1], rank, STAGES), timeout), rank, STAGES,
                                       timeout, "127.0.0.1")
     gen = torch.Generator().manual_seed(0)
@@ -194,7 +193,7 @@ def _worker(rank: int, ports: tuple[int, int], args: argparse.Namespace, results
     if rank == 0:
         results.put(rows)
     native.shutdown()
-    dist.destroy_process_group()
+    tdist.destroy_process_group()
 
 
 def theory(m: int) -> float:

@@ -123,6 +123,23 @@ def _subgroups(rank: int, world: int) -> None:
         assert torch.all(t == 2.0) and dist.get_rank(tail) == rank - 1
         with pytest.raises(ValueError, match="not a member"):
             dist.broadcast(t, src=0, group=tail)
+        # Where group and global ranks differ: every rooted and point-to-point op names the global rank.
+        mine = torch.full((3,), float(rank))
+        gathered = [torch.empty(3) for _ in range(2)] if rank == 2 else None
+        dist.gather(mine, gathered, dst=2, group=tail)
+        if rank == 2:
+            assert [g[0].item() for g in gathered] == [1.0, 2.0]
+        got = torch.empty(3)
+        dist.scatter(got, [torch.full((3,), 10.0), torch.full((3,), 20.0)] if rank == 2 else None, src=2, group=tail)
+        assert torch.all(got == (10.0 if rank == 1 else 20.0))
+        total = mine.clone()
+        dist.reduce(total, dst=1, group=tail)
+        assert torch.all(total == (3.0 if rank == 1 else mine))
+        if rank == 1:
+            dist.send(torch.full((3,), 5.0), dst=2, group=tail)
+        else:
+            dist.recv(got, src=1, group=tail)
+            assert torch.all(got == 5.0)
     t = torch.ones(3)
     dist.all_reduce(t)
     assert torch.all(t == world)

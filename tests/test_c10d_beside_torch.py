@@ -14,7 +14,7 @@ from tests.ranks import run_ranks
 
 
 def _beside_torch(rank: int, world: int, _: int, ports: list[tuple[int, int]]) -> list[float]:
-    """Twice: torch's default group and shoal's world side by side, torch's made first, then shoal's."""
+    """Twice: torch's default group and shoal's world side by side, made in one order, then the other."""
     seen = []
     for round_, (torch_port, shoal_port) in enumerate(ports):
         inits = [partial(library.init_process_group, "gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -193,6 +193,18 @@ def test_bad_arguments_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
         dist.init_process_group("mpi", "tcp://127.0.0.1:1234", rank=0, world_size=1)
 
 
+def test_rank_0_leaves_the_store_to_a_launcher_that_serves_it_at_that_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert rendezvous.resolve("env://", 0, 2).serves_store
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert not rendezvous.resolve("env://", 0, 2).serves_store
+    assert not rendezvous.resolve("tcp://127.0.0.1:1234", 0, 2).serves_store  # the same address
+    assert rendezvous.resolve("tcp://127.0.0.1:1235", 0, 2).serves_store  # a store of the script's own
+    assert not rendezvous.resolve("env://", 1, 2).serves_store
+
+
 def _join(index: int, world: int, port: int, claims: list[tuple[int, int]], linger: bool) -> str:
     rank, world_size = claims[index]
     try:

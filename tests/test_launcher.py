@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +104,7 @@ def test_the_store_outlives_rank_0_because_the_launcher_serves_it() -> None:
     # Were rank 0 serving it, the store would have gone with rank 0's process.
     result = _launch("--nproc-per-node", "2", str(SCRIPTS / "regroup_after_rank0_leaves.py"))
     assert result.returncode == 0, result.stderr
-    assert "[rank1]: regrouped alone after rank 0 left: sum 2" in result.stdout
+    assert "[rank1]: regrouped alone after rank 0 left: sum 2, note 'hello'" in result.stdout
 
 
 def test_a_script_may_initialize_torch_distributed_beside_shoal_from_the_environment() -> None:
@@ -112,6 +113,16 @@ def test_a_script_may_initialize_torch_distributed_beside_shoal_from_the_environ
     assert result.returncode == 0, result.stderr
     assert sorted(line for line in result.stdout.splitlines() if "torch" in line) == [
         "[rank0]: torch 2 shoal 20", "[rank1]: torch 2 shoal 20"]
+
+
+def test_a_taken_store_port_is_reported_without_a_traceback() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = _launch("--master-port", str(taken.getsockname()[1]), str(SCRIPTS / "show_env.py"))
+    assert result.returncode == 1
+    assert "shoal run: rendezvous port" in result.stderr and "already in use" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_bad_launcher_arguments_are_refused() -> None:

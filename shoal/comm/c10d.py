@@ -46,10 +46,10 @@ _PEER_LOST_HINTS = ("Connection closed by peer", "Connection reset by peer", "Br
 # reference, it frees the operation's tensors there, which takes the GIL; once the interpreter is
 # finalizing, taking the GIL ends the thread inside C++ and aborts the process ("terminate called without
 # an active exception"). A group that the script never destroys keeps its threads to the very end. Each
-# Gloo group therefore
-# holds its last operations (more than its two workers can be finishing at once), and at shutdown hands
-# them to this list, which only the interpreter's own teardown frees, on its main thread: a worker's
-# drop of a recent operation is then not the last. An operation still running at exit is not covered.
+# Gloo group therefore holds its last operations (more than its two workers can be finishing at once),
+# and at shutdown hands them to this list, which only the interpreter's own teardown frees, on its main
+# thread: a worker's drop of a recent operation is then not the last. An operation still running at
+# exit is not covered.
 _RECENT_OPS = 8
 _held_until_exit: collections.deque = collections.deque(maxlen=4 * _RECENT_OPS)
 
@@ -88,13 +88,20 @@ class _TorchWork(Work):
         return super().is_completed()
 
 
-def _engine(backend: str, store: tdist.Store, rank: int, size: int, timeout: timedelta):
-    """torch's engine for one group of `size` ranks, meeting its peers under `store`."""
+def _engine(backend: str, store: tdist.Store, name: str, ranks: Sequence[int], rank: int, timeout: timedelta):
+    """torch's engine for the group `name` of global `ranks` (ours at `rank`), meeting its peers under
+    `name` in `store`, with the options torch.distributed would give it."""
+    store = tdist.PrefixStore(name, store)
     if backend == "gloo":
-        return tdist.ProcessGroupGloo(store, rank, size, timeout)
-    options = tdist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return tdist.ProcessGroupNCCL(store, rank, size, options)
+        engine = tdist.ProcessGroupGloo(store, rank, len(ranks), timeout)
+        options = engine.options
+    else:
+        options = tdist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+    options.global_ranks_in_group = list(ranks)
+    options.group_name = name
+    return engine if backend == "gloo" else tdist.ProcessGroupNCCL(store, rank, len(ranks), options)
 
 
 def _options(kind, **fields):
@@ -111,12 +118,12 @@ def _reducing(kind, op: ReduceOp, **fields):
 class C10dProcessGroup(ProcessGroup):
     """Ranks given to the engine are member indices, as in shoal's own groups."""
 
-    def __init__(self, backend: str, store: tdist.Store, ranks: Sequence[int], global_rank: int,
+    def __init__(self, backend: str, store: tdist.Store, name: str, ranks: Sequence[int], global_rank: int,
                  timeout: timedelta) -> None:
         super().__init__(ranks, global_rank, timeout)
         self.backend = backend
-        self._store = store
-        self._engine = _engine(backend, store, self.rank, self.size, timeout)
+        self._store, self._name = store, name
+        self._engine = _engine(backend, store, name, self.ranks, self.rank, timeout)
         self._subgroups_made = 0
         # See _held_until_exit (seen with Gloo; NCCL's teardown is its own).
         self._recent: collections.deque | None = collections.deque(maxlen=_RECENT_OPS) if backend == "gloo" else None
@@ -126,7 +133,7 @@ class C10dProcessGroup(ProcessGroup):
                timeout: timedelta) -> C10dProcessGroup:
         if backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs CUDA GPUs; use backend 'gloo' or 'shoal' on CPUs")
-        return cls(backend, tdist.PrefixStore(store.prefix + "c10d/", store.raw), range(world_size), rank, timeout)
+        return cls(backend, store.raw, store.prefix + "c10d/", range(world_size), rank, timeout)
 
     def _wrap(self, name: str, work, then: Callable[[], None] = lambda: None) -> Work:
         if self._recent is not None:
@@ -180,6 +187,17 @@ class C10dProcessGroup(ProcessGroup):
 
     def _start_reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
         t, back = staged(out)
+        if self.backend == "gloo" and t.device.type != "cpu":
+            # gloo reduce-scatters CPU tensors only; the all-reduce of the concatenation gives the same.
+            whole = torch.cat([i.reshape(-1) for i in ins])
+            work = self._engine.allreduce([whole], _reducing(AllreduceOptions, op))
+
+            def done() -> None:
+                t.view(-1).copy_(whole[self.rank * t.numel():(self.rank + 1) * t.numel()])
+                finish_(t, op, self.size)
+                back()
+
+            return self._wrap("reduce_scatter", work, done)
         work = self._engine.reduce_scatter([t], [[i.contiguous() for i in ins]], _reducing(ReduceScatterOptions, op))
         return self._wrap("reduce_scatter", work, lambda: (finish_(t, op, self.size), back()))
 
@@ -197,7 +215,9 @@ class C10dProcessGroup(ProcessGroup):
         return self._wrap("all_to_all", work, unpack)
 
     def _start_barrier(self, blocking: bool) -> Work:
-        return self._wrap("barrier", self._engine.barrier(BarrierOptions()))
+        # NCCL would otherwise guess the GPU from the rank, which is wrong in a subgroup.
+        device = {"device": torch.device("cuda", torch.cuda.current_device())} if self.backend == "nccl" else {}
+        return self._wrap("barrier", self._engine.barrier(_options(BarrierOptions, **device)))
 
     def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work:
         work = self._engine.send([tensor.contiguous()], dst, tag)
@@ -214,8 +234,8 @@ class C10dProcessGroup(ProcessGroup):
         self._subgroups_made += 1
         if self.ranks[self.rank] not in ranks:
             return None
-        store = tdist.PrefixStore(f"sub{self._subgroups_made}/", self._store)
-        return C10dProcessGroup(self.backend, store, sorted(ranks), self.ranks[self.rank], self.timeout)
+        return C10dProcessGroup(self.backend, self._store, f"{self._name}sub{self._subgroups_made}/", sorted(ranks),
+                                self.ranks[self.rank], self.timeout)
 
     def shutdown(self) -> None:
         recent, self._recent = self._recent, None

@@ -27,8 +27,11 @@ class Endpoint:
     port: int
     rank: int
     world_size: int
-    serves_store: bool
-    """Whether this rank runs the store's server: rank 0, unless the launcher runs it."""
+
+    @property
+    def serves_store(self) -> bool:
+        """Whether this rank runs the store's server: rank 0, unless the launcher runs it."""
+        return self.rank == 0 and not _served_by_launcher(self.host, self.port)
 
 
 def resolve(init_method: str, rank: int | None, world_size: int | None) -> Endpoint:
@@ -51,7 +54,7 @@ def resolve(init_method: str, rank: int | None, world_size: int | None) -> Endpo
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1} for world_size {world_size}")
-    return Endpoint(host, port, rank, world_size, serves_store=rank == 0 and not _served_by_launcher(host, port))
+    return Endpoint(host, port, rank, world_size)
 
 
 def _served_by_launcher(host: str, port: int) -> bool:
@@ -79,7 +82,7 @@ _joins: collections.Counter[tuple[str, int, str]] = collections.Counter()
 
 
 def join(endpoint: Endpoint, timeout: timedelta, namespace: str = "shoal/") -> Store:
-    """Connect to the store (rank 0 serves it) and register under `namespace`; every rank leaves
+    """Connect to the store (or serve it, see the module's doc) and register under `namespace`; every rank leaves
     having seen all others. Joins under different namespaces share one connection."""
     with _connecting:
         base = _connections.get((endpoint.host, endpoint.port))
@@ -93,7 +96,7 @@ def join(endpoint: Endpoint, timeout: timedelta, namespace: str = "shoal/") -> S
     if store.add(f"claims/{endpoint.rank}", 1) > 1:
         raise ValueError(f"rank {endpoint.rank} was claimed by two processes; every process needs its "
                          f"own RANK")
-    # Rank 0 serves the store and leaves as soon as it sees a mismatch, so every other rank reads
+    # Rank 0 may serve the store and leaves as soon as it sees a mismatch, so every other rank reads
     # rank 0's entry before it writes its own: its last call then is one rank 0 waits for.
     first = endpoint.world_size if endpoint.rank == 0 else store.get("joined/0", timeout=timeout)
     store.set(f"joined/{endpoint.rank}", endpoint.world_size)

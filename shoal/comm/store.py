@@ -25,7 +25,7 @@ class Store:
     def __init__(self, tcp_store: tdist.Store, prefix: str = "", *, parent: Store | None = None) -> None:
         self.raw = tcp_store
         self.prefix = prefix
-        self._parent = parent  # keeps the shared connection (and rank 0's server) alive while we are
+        self._parent = parent  # keeps the shared connection (and its server, where we run it) alive while we are
 
     def scoped(self, prefix: str) -> Store:
         """A view of the same server with every key under `prefix` (after ours)."""

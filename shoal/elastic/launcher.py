@@ -8,8 +8,9 @@ The launcher of node 0 serves the job's rendezvous store, so the store outlives 
 the workers so with TORCHELASTIC_USE_AGENT_STORE=True, as torchrun does (torch.distributed's own
 env:// rendezvous then joins it too). When a worker fails, the others are stopped and the failure is
 reported (rank, exit code, the tail of its output); with `--max-restarts K` all workers are restarted
-instead, up to K times, each attempt with a fresh store on a fresh port so that no attempt reads keys
-another one left behind.
+instead, up to K times, each attempt with a fresh store (on a fresh port unless one was given) so that
+no attempt reads keys another one left behind. With several nodes, the store lives as long as node 0's
+launcher.
 """
 
 from __future__ import annotations
@@ -141,7 +142,11 @@ class Launcher:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             for attempt in range(self.config.max_restarts + 1):
-                failed = self._attempt(attempt)
+                try:
+                    failed = self._attempt(attempt)
+                except OSError as exc:  # the store's port is taken, or a worker could not start
+                    print(f"shoal run: {exc}", file=sys.stderr)
+                    return 1
                 if failed is None:
                     return 0
                 if self._stopping.is_set():
