@@ -88,6 +88,10 @@ class Store:
     def add(self, key: str, amount: int) -> int:
         return int(self.raw.add(self.prefix + key, amount))
 
+    def compare_set(self, key: str, desired: Any) -> Any:
+        """Set `key` to `desired` unless it is set already; either way, its value now: the first writer wins."""
+        return json.loads(self.raw.compare_set(self.prefix + key, "", json.dumps(desired)).decode())
+
 
 def _wait_until_reachable(host: str, port: int, timeout: timedelta) -> None:
     deadline = time.monotonic() + timeout.total_seconds()

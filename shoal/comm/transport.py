@@ -166,6 +166,10 @@ class Transport:
         messages nobody posted a receive for in advance (RPC requests)."""
         self._handlers[group] = handler
 
+    def failure(self, rank: int) -> PeerFailure | None:
+        """Why peer `rank` can take part in nothing any more (it crashed, fell silent or left), or None."""
+        return self._matcher.failure(rank)
+
     def on_peer_failure(self, listener: Callable[[PeerFailure], None]) -> None:
         """Call `listener` once for each peer that crashes or leaves, on the thread that noticed."""
         self._failure_listeners.append(listener)

@@ -1,0 +1,86 @@
+"""Generations of a job's membership, agreed through the job's store, which outlives every worker (the
+launcher serves it).
+
+A generation is a number and its members' ids in rank order. Process groups are built per generation
+(`Membership.group`), so a failure ends a generation, not the job. When members are lost, the others
+agree on the next generation: each registers under it and waits until every member of the current
+one has either registered or is known lost to its transport (crashed, left, or silent past the
+heartbeat timeout); then it proposes those registered. The first proposal stored wins
+(compare-and-set), so no two members ever see different members for one generation, whatever the
+partition, and a member left out learns so (EvictedError).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from shoal.backoff import attempts
+from shoal.comm.native import ShoalProcessGroup
+from shoal.comm.store import Store
+
+
+class EvictedError(RuntimeError):
+    """This worker is not a member of the generation the others agreed on (they judged it lost)."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    number: int
+    members: tuple[str, ...]
+    """Member ids, in rank order."""
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def rank(self, member: str) -> int:
+        return self.members.index(member)
+
+
+class Membership:
+    """One worker's part in the job's generations: it is `me` (an id unique in the job) in all of them."""
+
+    def __init__(self, store: Store, me: str, *, host: str, timeout: timedelta) -> None:
+        self._store = store
+        self.me = me
+        self._host = host  # the store's host: the interface that reaches it is the one peers can reach
+        self._timeout = timeout
+
+    def first(self, rank: int, world_size: int) -> Generation:
+        """Generation 0: the workers the launcher started, in the order of their launch ranks."""
+        self._store.set(f"0/member/{rank}", self.me)
+        members = tuple(self._store.get(f"0/member/{r}", timeout=self._timeout) for r in range(world_size))
+        if len(set(members)) != world_size:
+            raise ValueError(f"generation 0: member ids {members} are not unique")
+        return Generation(0, members)
+
+    def group(self, generation: Generation) -> ShoalProcessGroup:
+        """The world group of `generation`, over a mesh of its own."""
+        return ShoalProcessGroup.create(self._store.scoped(f"{generation.number}/group/"), generation.rank(self.me),
+                                        generation.size, self._timeout, self._host)
+
+    def next(self, current: Generation, group: ShoalProcessGroup) -> Generation:
+        """The generation after `current`, agreed with the other members still alive. `group` is
+        `current`'s: its transport tells which members are lost; it is shut down once they agree."""
+        number = current.number + 1
+        self._store.set(f"{number}/alive/{self.me}", 1)
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        for _ in attempts(deadline, first=0.005, limit=0.1, factor=1.5):
+            registered = [m for m in current.members if self._store.has(f"{number}/alive/{m}")]
+            undecided = [m for m in current.members
+                         if m not in registered and group.transport.failure(current.rank(m)) is None]
+            if not undecided:
+                break
+        else:
+            group.shutdown()
+            raise TimeoutError(f"generation {number}: members {undecided} neither joined it nor were found lost "
+                               f"within {self._timeout.total_seconds():g}s")
+        proposal = [m for m in current.members if m in registered]
+        generation = Generation(number, tuple(self._store.compare_set(f"{number}/members", proposal)))
+        group.shutdown()
+        if self.me not in generation.members:
+            raise EvictedError(f"{self.me}: generation {number} was agreed without this worker "
+                               f"(members {list(generation.members)})")
+        return generation

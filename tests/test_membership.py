@@ -1,0 +1,107 @@
+"""Generations of membership: after a worker is killed or stops answering, the others (the same
+processes) agree on the next generation through the store that outlives them, build its group, and
+go on; a member that the others judged lost is told it is out."""
+
+from __future__ import annotations
+
+import os
+import signal
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+from shoal.comm.reduce_op import ReduceOp
+from shoal.comm.store import Store
+from shoal.elastic.membership import EvictedError, Generation, Membership
+from shoal.errors import GroupBrokenError, PeerFailure
+from tests.ranks import run_ranks
+
+STEPS = 8
+LOST_AT = 4
+
+
+def _membership(rank: int, store_port: int) -> Membership:
+    store = Store.connect("127.0.0.1", store_port, world_size=1, is_server=False, timeout=timedelta(seconds=30))
+    return Membership(store.scoped("live/"), f"worker{rank}", host="127.0.0.1", timeout=timedelta(seconds=30))
+
+
+def _train_through_a_loss(rank: int, world: int, _: int, store_port: int, victim: int, how: int) -> tuple:
+    """All-reduce rank + 1 for STEPS steps; the victim kills or stops itself at step LOST_AT. A survivor
+    may see the step before fail too (the loss is noticed while it still waits for another survivor),
+    so the survivors go on from the last step that all of them finished."""
+    membership = _membership(rank, store_port)
+    generation = membership.first(rank, world)
+    group = membership.group(generation)
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    group.all_gather(pids, torch.tensor([os.getpid()])).wait()
+    sums, step = [], 0
+    while step < STEPS:
+        if step == LOST_AT and rank == victim:
+            os.kill(os.getpid(), how)
+        t = torch.full((1000,), float(rank + 1))
+        try:
+            group.all_reduce(t).wait()
+        except (PeerFailure, GroupBrokenError):
+            generation = membership.next(generation, group)
+            if how == signal.SIGSTOP and generation.rank(membership.me) == 0:
+                os.kill(int(pids[victim].item()), signal.SIGKILL)  # what a launcher does with a worker it gave up
+            group = membership.group(generation)
+            finished = torch.tensor([step])
+            group.all_reduce(finished, ReduceOp.MIN).wait()
+            step = int(finished.item())
+            del sums[step:]
+            continue
+        sums.append((generation.number, t[0].item()))
+        step += 1
+    group.shutdown()
+    return generation, sums
+
+
+@pytest.mark.parametrize(("victim", "how"), [(1, signal.SIGKILL), (0, signal.SIGKILL), (2, signal.SIGSTOP)],
+                         ids=["rank 1 killed", "rank 0 killed", "rank 2 stopped"])
+def test_the_others_agree_on_a_generation_without_the_lost_worker_and_go_on(victim: int, how: int) -> None:
+    store = Store.connect("127.0.0.1", 0, world_size=1, is_server=True)  # as the launcher serves it
+    port = store.raw.port
+    out = run_ranks(_train_through_a_loss, 3, port, victim, how, backend=None, expect={victim: "dies"},
+                    env={"SHOAL_HEARTBEAT_TIMEOUT": "3"}, timeout=90)
+    survivors = [r for r in range(3) if r != victim]
+    assert set(out) == set(survivors)
+    members = tuple(f"worker{r}" for r in survivors)
+    assert out[survivors[0]] == out[survivors[1]]
+    generation, sums = out[survivors[0]]
+    assert generation == Generation(1, members)
+    before = sum(1 for g, _ in sums if g == 0)
+    assert before in (LOST_AT - 1, LOST_AT)
+    assert sums == [(0, 6.0)] * before + [(1, 6.0 - (victim + 1))] * (STEPS - before)
+
+
+class _Judging:
+    """Stands for a generation's group whose transport has found the given ranks lost."""
+
+    def __init__(self, lost: set[int]) -> None:
+        self.transport = self
+        self._lost = lost
+
+    def failure(self, rank: int) -> PeerFailure | None:
+        return PeerFailure(rank, "judged lost") if rank in self._lost else None
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_two_sides_of_a_partition_cannot_both_make_the_next_generation() -> None:
+    server = Store(tdist.HashStore())
+    first = Generation(0, ("worker0", "worker1"))
+    a, b = (Membership(server, f"worker{r}", host="127.0.0.1", timeout=timedelta(seconds=5)) for r in range(2))
+    # Each side sees the other as lost; whoever proposes first makes generation 1, the other is out of it.
+    assert a.next(first, _Judging({1})) == Generation(1, ("worker0",))
+    with pytest.raises(EvictedError, match="generation 1 was agreed without this worker"):
+        b.next(first, _Judging({0}))
+
+
+def test_a_member_neither_joined_nor_lost_is_waited_for_within_the_timeout() -> None:
+    alone = Membership(Store(tdist.HashStore()), "worker0", host="127.0.0.1", timeout=timedelta(seconds=0.3))
+    with pytest.raises(TimeoutError, match=r"members \['worker1'\] neither joined it nor were found lost"):
+        alone.next(Generation(0, ("worker0", "worker1")), _Judging(set()))
