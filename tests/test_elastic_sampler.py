@@ -76,6 +76,15 @@ def test_each_step_takes_the_next_samples_of_the_epochs_order() -> None:
     assert len(ElasticSampler(range(20), 3, rank=0, world_size=2)) == 4
 
 
+@pytest.mark.parametrize(("n", "batch_size", "world_size"), [(61, 2, 3), (12, 2, 3), (13, 2, 3), (14, 2, 3),
+                                                            (7, 2, 3), (3, 5, 3), (100, 7, 4)])
+def test_no_rank_gets_an_empty_batch_and_len_counts_the_steps(n: int, batch_size: int, world_size: int) -> None:
+    samplers = [ElasticSampler(range(n), batch_size, rank=r, world_size=world_size) for r in range(world_size)]
+    assert len(samplers[0]) == len(steps := list(zip(*samplers, strict=True)))
+    assert all(len(batch) > 0 for step in steps for batch in step)
+    assert sorted(i for step in steps for batch in step for i in batch) == list(range(n))
+
+
 def test_steps_fetched_ahead_commit_in_order_and_discard_hands_them_out_again() -> None:
     sampler = ElasticSampler(range(12), 2, rank=0, world_size=2, shuffle=False)
     loader = torch.utils.data.DataLoader(torch.arange(100, 112), batch_sampler=sampler)

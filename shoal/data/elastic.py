@@ -3,7 +3,8 @@ sample trained exactly once.
 
 The epoch is one shuffled order of the dataset, the same on every rank, and the job's progress is one
 committed offset into it. Each step takes the next `batch_size * world_size` samples after what was
-handed out before (rank r the r-th slice). Once a step is applied on every rank, `commit()` moves the
+handed out before (rank r the r-th slice); the last step of an epoch takes what is left, split as
+evenly as the ranks allow. Once a step is applied on every rank, `commit()` moves the
 offset past it; when a step fails, `discard()` hands its samples out again. After a rank is lost, the
 survivors call `set_membership` and share the lost rank's uncommitted samples as well as their own; a
 rank that joins loads the offset from a live one (`state_dict`).
@@ -67,8 +68,7 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
         order, iteration = self._order(), self._iteration
         while self._handed_out < len(order) and iteration == self._iteration:
             start = self._handed_out
-            size = min(self.batch_size * self.world_size, len(order) - start)
-            # The last step may be short: its samples are split as evenly as the ranks allow.
+            size = self._step_size(len(order) - start)
             share, extra = divmod(size, self.world_size)
             lo = start + self.rank * share + min(self.rank, extra)
             hi = lo + share + (self.rank < extra)
@@ -78,8 +78,14 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
 
     def __len__(self) -> int:
         """Steps left in this epoch after what was handed out, with the current membership."""
+        full, rest = divmod(len(self.dataset) - self._handed_out, self.batch_size * self.world_size)
+        return full + (rest > 0 and not (full and rest < self.world_size))
+
+    def _step_size(self, left: int) -> int:
+        """How many samples the next step takes when `left` remain: a full step, or all of them when a
+        full step would leave fewer than one per rank (a batch of none would fail to collate)."""
         step = self.batch_size * self.world_size
-        return -(-(len(self.dataset) - self._handed_out) // step)
+        return left if left - step < self.world_size else step
 
     def _order(self) -> list[int]:
         n = len(self.dataset)

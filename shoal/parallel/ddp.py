@@ -90,6 +90,19 @@ class DistributedDataParallel(nn.Module):
             for tensor in tensors:
                 self.process_group.broadcast(tensor, self.process_group.ranks[0]).wait()
 
+    def adopt(self, group: ProcessGroup) -> None:
+        """Go on in `group`, the next generation's after a failure (shoal.elastic): the reductions the
+        broken group left in flight are dropped, not awaited, and every replica takes the new rank 0's
+        parameters and buffers, as at construction."""
+        if self._hook_state is self.process_group:
+            self._hook_state = group
+        self.process_group = group
+        self._inflight = [None] * len(self.buckets)
+        for bucket in self.buckets:
+            bucket.reset()
+        self._prepared = False
+        self._sync_from_rank0([*self.module.parameters(), *self.module.buffers()])
+
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Pending]) -> None:
         """Replace how buckets are averaged (see `shoal.parallel.comm_hooks`); call before training."""
         self._hook_state, self._hook = state, hook

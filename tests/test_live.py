@@ -1,0 +1,87 @@
+"""Live recovery end to end: a worker killed at some step, the others (the same processes) go on in
+the next generation and finish the epoch; every sample is trained exactly once, and the survivors'
+parameters equal a replay of the committed steps in one process."""
+
+from __future__ import annotations
+
+import os
+import signal
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+
+from shoal.comm.store import Store
+from shoal.data import ElasticSampler
+from shoal.elastic.live import LiveTraining
+from tests.ranks import run_ranks
+
+SAMPLES, BATCH, SEED = 61, 2, 1
+
+
+def _data() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(SAMPLES, 6, generator=generator, dtype=torch.float64)
+    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(6, 3).double()
+
+
+def _train(rank: int, world: int, _: int, store_port: int, victim: int | None, lost_at: int) -> tuple:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")  # as `shoal run` sets them
+    data, model = _data(), _model()
+    sampler = ElasticSampler(data, BATCH, rank=rank, world_size=world, seed=SEED)
+    live = LiveTraining(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler, timeout=timedelta(seconds=30))
+    ledger = []  # per committed step: where it starts and ends in the epoch's order, and how many took part
+    for x, y in live.batches(torch.utils.data.DataLoader(data, batch_sampler=sampler)):
+        if rank == victim and live.steps == lost_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        start = sampler.offset
+        with live.step():
+            nn.functional.cross_entropy(live.model(x), y).backward()
+        if sampler.offset != start:
+            ledger.append((start, sampler.offset, live.generation.size))
+    live.close()
+    return ledger, [p.detach().clone() for p in model.parameters()], live.generation.number
+
+
+def _replay(ledger: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """The committed steps in one process: each rank's mean-loss gradient on its slice, averaged."""
+    data, model = _data(), _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED)).tolist()
+    for start, stop, world in ledger:
+        share, extra = divmod(stop - start, world)
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in range(world):
+            lo = start + rank * share + min(rank, extra)
+            x, y = data[order[lo:lo + share + (rank < extra)]]
+            grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+            total = [t + g for t, g in zip(total, grads, strict=True)]
+        for param, summed in zip(model.parameters(), total, strict=True):
+            param.grad = summed / world
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("victim", "lost_at"), [(None, 0), (1, 3), (0, 6)],
+                         ids=["no loss", "rank 1 killed at step 3", "rank 0 killed at step 6"])
+def test_survivors_finish_the_epoch_with_every_sample_once(victim: int | None, lost_at: int) -> None:
+    store = Store.connect("127.0.0.1", 0, world_size=1, is_server=True)  # the launcher's
+    out = run_ranks(_train, 3, store.raw.port, victim, lost_at, backend=None, timeout=90,
+                    expect={victim: "dies"} if victim is not None else None, env={"SHOAL_HEARTBEAT_TIMEOUT": "3"})
+    survivors = [r for r in range(3) if r != victim]
+    ledger, params, generation = out[survivors[0]]
+    for rank in survivors[1:]:
+        assert out[rank][0] == ledger and out[rank][2] == generation
+        assert all(torch.equal(a, b) for a, b in zip(out[rank][1], params, strict=True))
+    assert generation == (0 if victim is None else 1)
+    assert [start for start, _, _ in ledger] == [0] + [stop for _, stop, _ in ledger[:-1]]  # no gap, no overlap
+    assert ledger[-1][1] == SAMPLES
+    for got, want in zip(params, _replay(ledger), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
