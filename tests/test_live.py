@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +36,7 @@ def _model() -> nn.Module:
 
 def _train(rank: int, world: int, _: int, store_port: int, victim: int | None, lost_at: int) -> tuple:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port),
-                      TORCHELASTIC_USE_AGENT_STORE="True")  # as `shoal run` sets them
+                      TORCHELASTIC_USE_AGENT_STORE="True", SHOAL_LIVE="1")  # as `shoal run --live` sets them
     data, model = _data(), _model()
     sampler = ElasticSampler(data, BATCH, rank=rank, world_size=world, seed=SEED)
     live = LiveTraining(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler, timeout=timedelta(seconds=30))
@@ -74,7 +77,7 @@ def _replay(ledger: list[tuple[int, int, int]]) -> list[torch.Tensor]:
 def test_survivors_finish_the_epoch_with_every_sample_once(victim: int | None, lost_at: int) -> None:
     store = Store.connect("127.0.0.1", 0, world_size=1, is_server=True)  # the launcher's
     out = run_ranks(_train, 3, store.raw.port, victim, lost_at, backend=None, timeout=90,
-                    expect={victim: "dies"} if victim is not None else None, env={"SHOAL_HEARTBEAT_TIMEOUT": "3"})
+                    expect={victim: "dies"} if victim is not None else None)
     survivors = [r for r in range(3) if r != victim]
     ledger, params, generation = out[survivors[0]]
     for rank in survivors[1:]:
@@ -85,3 +88,23 @@ def test_survivors_finish_the_epoch_with_every_sample_once(victim: int | None, l
     assert ledger[-1][1] == SAMPLES
     for got, want in zip(params, _replay(ledger), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_under_the_launcher_the_others_go_on_and_the_job_succeeds() -> None:
+    result = subprocess.run([sys.executable, "-m", "shoal.run", "--live", "--nproc-per-node", "3",
+                             str(Path(__file__).parent / "scripts" / "live_train.py"), "--kill", "1:4"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "rank 1 failed with exit code -9; the others go on without it (--live)" in result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if "samples" in line)
+    assert [line.split(":")[0] for line in lines] == ["[rank0]", "[rank2]"]
+    assert lines[0].split(": ")[1] == lines[1].split(": ")[1]  # the same ledger and parameters
+    assert lines[0].split(": ")[1].startswith("samples 61 missing 0 twice 0 generation 1 of 2 params ")
+
+
+def test_live_training_refuses_to_start_where_a_loss_would_stop_everyone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("SHOAL_LIVE", "0")  # `shoal run` without --live
+    with pytest.raises(RuntimeError, match=r"shoal run --live"):
+        LiveTraining(_model(), torch.optim.SGD(_model().parameters(), lr=0.1),
+                     ElasticSampler(_data(), BATCH, rank=0, world_size=1))

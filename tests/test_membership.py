@@ -46,7 +46,7 @@ def _train_through_a_loss(rank: int, world: int, _: int, store_port: int, victim
         except (PeerFailure, GroupBrokenError):
             generation = membership.next(generation, group)
             if how == signal.SIGSTOP and generation.rank(membership.me) == 0:
-                os.kill(int(pids[victim].item()), signal.SIGKILL)  # what a launcher does with a worker it gave up
+                os.kill(int(pids[victim].item()), signal.SIGKILL)  # so that the test leaves no stopped process
             group = membership.group(generation)
             finished = torch.tensor([step])
             group.all_reduce(finished, ReduceOp.MIN).wait()
@@ -64,8 +64,7 @@ def _train_through_a_loss(rank: int, world: int, _: int, store_port: int, victim
 def test_the_others_agree_on_a_generation_without_the_lost_worker_and_go_on(victim: int, how: int) -> None:
     store = Store.connect("127.0.0.1", 0, world_size=1, is_server=True)  # as the launcher serves it
     port = store.raw.port
-    out = run_ranks(_train_through_a_loss, 3, port, victim, how, backend=None, expect={victim: "dies"},
-                    env={"SHOAL_HEARTBEAT_TIMEOUT": "3"}, timeout=90)
+    out = run_ranks(_train_through_a_loss, 3, port, victim, how, backend=None, expect={victim: "dies"}, timeout=90)
     survivors = [r for r in range(3) if r != victim]
     assert set(out) == set(survivors)
     members = tuple(f"worker{r}" for r in survivors)

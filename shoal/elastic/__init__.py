@@ -1,7 +1,8 @@
-"""Launching workers (the `shoal run` launcher, torchrun's flags and environment) and the generations
-of a job's membership, through which workers go on when others are lost."""
+"""Launching workers (the `shoal run` launcher, torchrun's flags and environment), and live recovery:
+training that goes on in the same processes when workers are lost, on generations of membership."""
 
 from shoal.elastic.launcher import LaunchConfig, Launcher, parse_args
+from shoal.elastic.live import LiveTraining
 from shoal.elastic.membership import EvictedError, Generation, Membership
 
-__all__ = ["EvictedError", "Generation", "LaunchConfig", "Launcher", "Membership", "parse_args"]
+__all__ = ["EvictedError", "Generation", "LaunchConfig", "Launcher", "LiveTraining", "Membership", "parse_args"]

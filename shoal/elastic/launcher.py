@@ -49,6 +49,8 @@ class LaunchConfig:
     """Its port; None picks a free one (single node only)."""
     max_restarts: int = 0
     """How many times to restart all workers after a failure."""
+    live: bool = False
+    """Keep the other workers running when one fails (live recovery, shoal.elastic.live)."""
     command: list[str] = field(default_factory=list)
     """What each worker runs, after the Python interpreter: a script and its args, or -m module args."""
 
@@ -62,6 +64,8 @@ class LaunchConfig:
         if self.nnodes > 1 and self.max_restarts:
             raise ValueError("--max-restarts needs every node to restart together; with static multi-node "
                              "membership run it with --nnodes 1 per job, or restart the whole job")
+        if self.live and self.max_restarts:
+            raise ValueError("--live keeps the other workers running and restarts none yet; drop --max-restarts")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not self.command:
@@ -171,7 +175,7 @@ class Launcher:
         store = Store.connect(cfg.master_addr, port, world_size=world, is_server=True) if cfg.node_rank == 0 else None
         base = dict(os.environ, MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(cfg.nproc_per_node), SHOAL_RESTART_COUNT=str(attempt),
-                    TORCHELASTIC_USE_AGENT_STORE="True")
+                    TORCHELASTIC_USE_AGENT_STORE="True", SHOAL_LIVE="1" if cfg.live else "0")
         if self.secret:
             base["SHOAL_SECRET"] = self.secret
         self._workers = []
@@ -187,11 +191,21 @@ class Launcher:
 
     def _watch(self) -> tuple[_Worker, int] | None:
         """Wait until every worker has exited 0 (None) or one has failed: then the worker that failed
-        first (the others may only be failing because it did) and its exit code."""
+        first (the others may only be failing because it did) and its exit code. With --live, a worker
+        that fails is reported and the others go on: the job succeeds if all the others exit 0."""
+        reported: set[_Worker] = set()
         while not self._stopping.is_set():
             with self._changed:
                 exited = [w for w in self._workers if w.exited_at is not None]
                 failed = sorted((w for w in exited if w.proc.returncode != 0), key=lambda w: w.exited_at)
+                if self.config.live:
+                    for worker in failed:
+                        if worker not in reported:
+                            reported.add(worker)
+                            print(f"shoal run: rank {worker.rank} failed with exit code {worker.proc.returncode}; "
+                                  f"the others go on without it (--live)", file=sys.stderr)
+                    if len(failed) < len(self._workers):
+                        failed = []
                 if not failed and len(exited) < len(self._workers):
                     self._changed.wait(timeout=1.0)
                     continue
@@ -240,6 +254,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     flag("master-addr", type=str, default=None)
     flag("master-port", type=int, default=None)
     flag("max-restarts", type=int, default=0)
+    parser.add_argument("--live", action="store_true",
+                        help="when a worker fails, keep the others running (scripts using shoal.elastic.live)")
     parser.add_argument("-m", "--module", action="store_true",
                         help="SCRIPT is a module name, run as python -m does (as torchrun's -m)")
     parser.add_argument("script", nargs="?", help="the training script (or module, with -m)")
@@ -258,7 +274,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     command = ([*(["-m"] if args.module else []), args.script, *args.args]) if args.script else []
     try:
         return LaunchConfig(nproc_per_node=args.nproc_per_node, nnodes=int(low), node_rank=args.node_rank,
-                            master_addr=host, master_port=port, max_restarts=args.max_restarts, command=command)
+                            master_addr=host, master_port=port, max_restarts=args.max_restarts, live=args.live,
+                            command=command)
     except ValueError as exc:
         parser.error(str(exc))
 

@@ -93,7 +93,8 @@ class DistributedDataParallel(nn.Module):
     def adopt(self, group: ProcessGroup) -> None:
         """Go on in `group`, the next generation's after a failure (shoal.elastic): the reductions the
         broken group left in flight are dropped, not awaited, and every replica takes the new rank 0's
-        parameters and buffers, as at construction."""
+        parameters and buffers, as at construction. A communication hook whose state holds the old
+        group must be registered again."""
         if self._hook_state is self.process_group:
             self._hook_state = group
         self.process_group = group

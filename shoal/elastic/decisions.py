@@ -1,0 +1,41 @@
+"""The decision on each step of a job with live recovery, kept in the job's store: the step is applied
+on every member or on none.
+
+Every member whose gradients were all averaged marks the step. "commit" needs every member's mark,
+and any member may propose it once they are all in (the one that completed the count may have died
+since); "discard" is proposed by a member whose step failed, or that finds a member lost before the
+count is complete. The first proposal stored wins (compare-and-set), so members never disagree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from shoal.backoff import attempts
+from shoal.comm.store import Store
+
+
+class StepDecisions:
+    def __init__(self, store: Store, timeout: timedelta) -> None:
+        self._store = store
+        self._timeout = timeout
+
+    def decide(self, step: str, size: int, *, reduced: bool, member_lost: Callable[[], bool]) -> bool:
+        """Whether `step` (a key unique to it) commits, as all `size` members will hear. `reduced`: this
+        member's gradients were all averaged; `member_lost`: whether a member is known lost now."""
+        if reduced and self._store.add(f"{step}/reduced", 1) == size:
+            return self._store.compare_set(step, "commit") == "commit"
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        for _ in attempts(deadline, first=0.0002, limit=0.02, factor=1.5):
+            if self._store.has(step):
+                return self._store.get(step, timeout=self._timeout) == "commit"
+            if not reduced or member_lost():
+                proposal = "commit" if self._store.add(f"{step}/reduced", 0) == size else "discard"
+                return self._store.compare_set(step, proposal) == "commit"
+        raise TimeoutError(f"{step}: no decision within {self._timeout.total_seconds():g}s")
+
+    def discard(self, step: str) -> None:
+        """Propose that `step` be discarded (this member leaves it with an error of its own)."""
+        self._store.compare_set(step, "discard")
