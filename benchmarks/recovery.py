@@ -5,16 +5,18 @@
 1. How long `save` blocks training for a model of about 100 MB: torch.save, CheckpointManager
    synchronous (serialize, write, fsync, rename, manifest), and asynchronous (the snapshot only;
    the write goes on in the background).
-2. Restart recovery: a 2-worker DDP job (benchmarks/recovery_job.py) whose rank 1 SIGKILLs itself
-   mid-training, once per trial, under `shoal run --max-restarts 1` (shoal DDP) and under torchrun
-   (torch DDP, gloo). Reported: the share of trials that finish, and the median time from the
-   worker's death to the first step completed after the restart.
+2. Recovery: a DDP job (benchmarks/recovery_job.py) whose rank 1 SIGKILLs itself mid-training, once
+   per trial: with live recovery under `shoal run --live` (3 workers; the other two go on), and
+   restarted under `shoal run --max-restarts 1` (shoal DDP) and under torchrun (torch DDP, gloo), 2
+   workers each. Reported: the share of trials that finish, and the median time from the worker's
+   death to the first step completed after it (after the restart, or taken again live).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import signal
 import statistics
@@ -55,7 +57,10 @@ def save_blocking(repeats: int = 3) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _launchers(impl: str, ckpt: Path) -> list[str]:
+def _launchers(impl: str, ckpt: Path, kill_at: int) -> list[str]:
+    if impl == "live":  # three workers, so that two go on together
+        return [sys.executable, "-m", "shoal.run", "--live", "--nproc-per-node", "3", str(JOB), "--impl", "live",
+                "--kill-at", str(kill_at)]
     job = [str(JOB), "--impl", impl, "--dir", str(ckpt)]
     if impl == "shoal":
         return [sys.executable, "-m", "shoal.run", "--nproc-per-node", "2", "--max-restarts", "1", *job]
@@ -63,10 +68,13 @@ def _launchers(impl: str, ckpt: Path) -> list[str]:
 
 
 def trial(impl: str, timeout: float) -> float | None:
-    """Seconds from the death to the first step after restart; None if the job did not finish."""
+    """Seconds from the death to the first step completed after it; None if the job did not finish."""
+    # Live recovery goes on from the step that was lost, so its kill can fall on any step; restarts
+    # resume from the checkpoint of step 20, so they lose step 25.
+    kill_at = random.randint(1, 38) if impl == "live" else 25
     with tempfile.TemporaryDirectory() as tmp:
         # A session of its own, so that a hung job's workers can be stopped with their launcher.
-        job = subprocess.Popen(_launchers(impl, Path(tmp)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        job = subprocess.Popen(_launchers(impl, Path(tmp), kill_at), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
         try:
             out, _ = job.communicate(timeout=timeout)
@@ -78,7 +86,8 @@ def trial(impl: str, timeout: float) -> float | None:
         return None
     # torchrun does not prefix its workers' lines, so two ranks' output may run together on one line.
     death = float(re.search(r"death (\d+\.\d{6})", out).group(1))
-    after = [float(t) for t in re.findall(r"step 21 (\d+\.\d{6})", out) if float(t) > death]
+    first = kill_at + 1 if impl == "live" else 21
+    after = [float(t) for t in re.findall(rf"step {first} (\d+\.\d{{6}})", out) if float(t) > death]
     return min(after) - death if after else None
 
 
@@ -86,20 +95,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=60, help="seconds after which a trial counts as failed")
-    parser.add_argument("--only", choices=["save", "shoal", "torch"], help="run one part only")
+    parser.add_argument("--only", choices=["save", "live", "shoal", "torch"], help="run one part only")
     args = parser.parse_args(argv)
     if args.only in (None, "save"):
         print("| save of a 100 MB model | time |\n|---|---|")
         for name, seconds in save_blocking().items():
             print(f"| {name} | {seconds * 1e3:,.0f} ms |")
     print("\n| launcher | recovered | median death-to-first-step | all recoveries |\n|---|---|---|---|")
-    for impl, label in (("shoal", "shoal run (shoal DDP)"), ("torch", "torchrun (torch DDP, gloo)")):
+    for impl, label in (("live", "shoal run --live (live recovery, 3 workers)"), ("shoal", "shoal run (shoal DDP)"),
+                        ("torch", "torchrun (torch DDP, gloo)")):
         if args.only not in (None, impl):
             continue
         results = [trial(impl, args.timeout) for _ in range(args.trials)]
         ok = [r for r in results if r is not None]
         median = f"{statistics.median(ok):.2f} s" if ok else "-"
-        print(f"| {label} | {len(ok)} of {len(results)} | {median} | {', '.join(f'{r:.1f}' for r in ok)} |",
+        print(f"| {label} | {len(ok)} of {len(results)} | {median} | {', '.join(f'{r:.2f}' for r in ok)} |",
               flush=True)
 
 

@@ -1,5 +1,6 @@
 """The training job `benchmarks/recovery.py` kills and restarts: the same small DDP job written against
-shoal (`--impl shoal`, under `shoal run`) or against torch.distributed (`--impl torch`, under torchrun).
+shoal (`--impl shoal`, under `shoal run`) or against torch.distributed (`--impl torch`, under torchrun);
+with `--impl live` (under `shoal run --live`), the job is not restarted: the survivors go on.
 
 It checkpoints every `--every` steps, resumes from the newest checkpoint, and prints wall-clock
 times: `death T` just before rank 1 SIGKILLs itself at `--kill-at` in the first attempt, and
@@ -25,13 +26,16 @@ def _first_attempt() -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=["shoal", "torch"], required=True)
-    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--impl", choices=["shoal", "torch", "live"], required=True)
+    parser.add_argument("--dir", type=Path)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--kill-at", type=int, default=25)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.impl == "live":
+        live(args)
+        return
     if args.impl == "shoal":
         import shoal.distributed as dist
         from shoal.checkpoint import CheckpointManager
@@ -81,6 +85,30 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     dist.destroy_process_group()
     sys.exit(0)
+
+
+def live(args: argparse.Namespace) -> None:
+    """The same model and batches of 32 per worker, with live recovery: `step N T` after each committed step."""
+    from shoal.data import ElasticSampler
+    from shoal.elastic import LiveTraining
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    gen = torch.Generator().manual_seed(0)
+    samples = 32 * world * args.steps
+    data = torch.utils.data.TensorDataset(torch.randn(samples, 64, generator=gen),
+                                          torch.randint(0, 10, (samples,), generator=gen))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    sampler = ElasticSampler(data, 32, rank=rank, world_size=world)
+    job = LiveTraining(net, torch.optim.SGD(net.parameters(), lr=0.01), sampler)
+    for x, y in job.batches(torch.utils.data.DataLoader(data, batch_sampler=sampler)):
+        if job.steps == args.kill_at and rank == 1:
+            print(f"death {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        with job.step():
+            nn.functional.cross_entropy(job.model(x), y).backward()
+        print(f"step {job.steps} {time.time():.6f}", flush=True)
+    job.close()
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--backend", default="shoal", choices=["shoal", "gloo"])
     demo.add_argument("--checkpoint-dir", help="checkpoint here and resume from the newest valid checkpoint")
     demo.add_argument("--max-restarts", type=int, default=0, help="restart all workers after a failure")
+    demo.add_argument("--live", action="store_true", help="live recovery: when a worker dies, the others go on")
     bench = commands.add_parser("bench", help="run a benchmark beside PyTorch's own component",
                                 description="Run benchmarks/NAME.py; arguments after NAME go to it.")
     bench.add_argument("name", choices=BENCHMARKS)
@@ -52,7 +53,10 @@ def main(argv: list[str] | None = None) -> None:
         command = ["-m", "shoal.demo", "--epochs", str(args.epochs), "--backend", args.backend]
         if args.checkpoint_dir:
             command += ["--checkpoint-dir", args.checkpoint_dir]
-        config = LaunchConfig(nproc_per_node=args.workers, max_restarts=args.max_restarts, command=command)
+        if args.live:
+            command += ["--live"]
+        config = LaunchConfig(nproc_per_node=args.workers, max_restarts=args.max_restarts, live=args.live,
+                              command=command)
         sys.exit(Launcher(config).run())
 
 

@@ -5,6 +5,7 @@ DistributedDataParallel, each worker training on its shard.
     shoal demo --workers 3 --epochs 8 --backend gloo
     shoal run --nproc-per-node 2 -m shoal.demo   # the same worker under the launcher directly
     shoal run --nproc-per-node 2 --max-restarts 3 -m shoal.demo --checkpoint-dir ckpt   # survives a crash
+    shoal demo --live --workers 3                # live recovery: survivors go on when a worker dies
 
 With --checkpoint-dir the run resumes from the newest valid checkpoint there: same step, epoch and
 place in the epoch, same optimizer state and RNG, so it continues the sample sequence of an
@@ -14,6 +15,7 @@ uninterrupted run exactly.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -119,6 +121,45 @@ def train(epochs: int, backend: str, batch_size: int, lr: float, seed: int = 0,
     return test_accuracy
 
 
+def train_live(epochs: int, batch_size: int, lr: float, seed: int = 0) -> float:
+    """Train with live recovery under `shoal run --live`: when a worker dies, the others go on from
+    the last committed step. Returns the final test accuracy."""
+    from shoal.data import ElasticSampler
+    from shoal.elastic import LiveTraining
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(seed)
+    train_set, test_set = digits()
+    net = digits_cnn()
+    optimizer = torch.optim.Adam(net.parameters(), lr=lr)
+    sampler = ElasticSampler(train_set, batch_size, rank=rank, world_size=world, seed=seed)
+    live = LiveTraining(net, optimizer, sampler)
+    loader = DataLoader(train_set, batch_sampler=sampler)
+    if rank == 0:
+        print(f"training on {len(train_set)} digits with {world} workers and live recovery; "
+              f"{len(test_set)} held out for testing", flush=True)
+    started, counts = time.perf_counter(), torch.zeros(len(train_set), dtype=torch.int64)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed + epoch))
+        for images, labels in live.batches(loader):
+            start = sampler.offset
+            with live.step():
+                nn.functional.cross_entropy(live.model(images), labels).backward()
+            counts[order[start:sampler.offset]] += 1  # the committed step: every member's share
+            maybe_kill(rank, live.steps)
+        test_accuracy = accuracy(net, test_set)
+        if live.group.rank == 0:
+            print(f"epoch {epoch + 1}: test accuracy {test_accuracy:.1%}, {live.generation.size} workers "
+                  f"(generation {live.generation.number}) ({time.perf_counter() - started:.1f}s)", flush=True)
+    if live.group.rank == 0:  # from the ledger of committed steps, which every member keeps alike
+        print(f"samples trained: {int(counts.sum())} over {epochs} epochs; missed {int((counts < epochs).sum())}, "
+              f"trained more than once per epoch {int((counts > epochs).sum())}", flush=True)
+    live.close()
+    return test_accuracy
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
@@ -127,7 +168,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--checkpoint-dir", type=Path, help="save here, and resume from the newest valid checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
+    parser.add_argument("--live", action="store_true", help="live recovery (run under `shoal run --live`)")
     args = parser.parse_args(argv)
+    if args.live:
+        train_live(args.epochs, args.batch_size, args.lr)
+        return
     finish_writes_on_sigterm()  # stopped after another worker's failure: keep the checkpoint being written
     train(args.epochs, args.backend, args.batch_size, args.lr, checkpoint_dir=args.checkpoint_dir,
           checkpoint_every=args.checkpoint_every)

@@ -108,3 +108,13 @@ def test_live_training_refuses_to_start_where_a_loss_would_stop_everyone(monkeyp
     with pytest.raises(RuntimeError, match=r"shoal run --live"):
         LiveTraining(_model(), torch.optim.SGD(_model().parameters(), lr=0.1),
                      ElasticSampler(_data(), BATCH, rank=0, world_size=1))
+
+
+def test_the_demo_with_live_recovery_keeps_going_after_a_kill() -> None:
+    command = [sys.executable, "-m", "shoal.cli", "demo", "--live", "--workers", "3", "--epochs", "3"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                            env=dict(os.environ, SHOAL_FAULT_KILL_AT="1:20"))
+    assert result.returncode == 0, result.stderr
+    assert "rank 1 failed with exit code -9; the others go on without it" in result.stderr
+    assert "epoch 3: test accuracy" in result.stdout and "2 workers (generation 1)" in result.stdout
+    assert "samples trained: 4311 over 3 epochs; missed 0, trained more than once per epoch 0" in result.stdout
