@@ -69,8 +69,8 @@ def _launchers(impl: str, ckpt: Path, kill_at: int) -> list[str]:
 
 def trial(impl: str, timeout: float) -> float | None:
     """Seconds from the death to the first step completed after it; None if the job did not finish."""
-    # Live recovery goes on from the step that was lost, so its kill can fall on any step; restarts
-    # resume from the checkpoint of step 20, so they lose step 25.
+    # Live recovery takes the lost step again, so its kill can fall on any step; restarts resume from
+    # the checkpoint of step 20 and take steps 21 to 25 again: the first measured is 21.
     kill_at = random.randint(1, 38) if impl == "live" else 25
     with tempfile.TemporaryDirectory() as tmp:
         # A session of its own, so that a hung job's workers can be stopped with their launcher.

@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--kill-at", type=int, default=25)
     args = parser.parse_args()
+    if args.impl != "live" and args.dir is None:
+        parser.error("--dir is needed to checkpoint and resume (all but --impl live)")
     torch.set_num_threads(1)
     if args.impl == "live":
         live(args)
@@ -105,9 +107,11 @@ def live(args: argparse.Namespace) -> None:
         if job.steps == args.kill_at and rank == 1:
             print(f"death {time.time():.6f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        committed = job.steps
         with job.step():
             nn.functional.cross_entropy(job.model(x), y).backward()
-        print(f"step {job.steps} {time.time():.6f}", flush=True)
+        if job.steps > committed:
+            print(f"step {job.steps} {time.time():.6f}", flush=True)
     job.close()
 
 

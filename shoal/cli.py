@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see NAME --help)")
     args = parser.parse_args(argv)
+    if args.command == "demo" and args.live and (args.backend != "shoal" or args.checkpoint_dir or args.max_restarts):
+        parser.error("demo --live trains with backend shoal and recovers live: it takes no --backend gloo, "
+                     "--checkpoint-dir or --max-restarts")
     if args.command == "bench":
         _bench(args.name, args.args)
     elif args.command == "demo":

@@ -115,6 +115,14 @@ def test_a_script_may_initialize_torch_distributed_beside_shoal_from_the_environ
         "[rank0]: torch 2 shoal 20", "[rank1]: torch 2 shoal 20"]
 
 
+def test_under_live_a_worker_that_exits_with_an_error_still_fails_the_job() -> None:
+    # Only a worker killed by a signal is lost (the others go on); an error is the script's.
+    result = _launch("--live", "--nproc-per-node", "2", str(SCRIPTS / "fail_once.py"), "always")
+    assert result.returncode != 0
+    assert "rank 1 failed with exit code 3" in result.stderr, result.stderr
+    assert "the others go on" not in result.stderr
+
+
 def test_a_taken_store_port_is_reported_without_a_traceback() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -130,3 +138,5 @@ def test_bad_launcher_arguments_are_refused() -> None:
                                                "127.0.0.1:1", "x.py").stderr
     assert "elastic membership" in _launch("--nnodes", "1:4", "x.py").stderr
     assert "nothing to run" in _launch("--nproc-per-node", "2").stderr
+    assert "drop --max-restarts" in _launch("--live", "--max-restarts", "1", "x.py").stderr
+    assert "one node for now" in _launch("--live", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "x.py").stderr

@@ -1,10 +1,11 @@
 """The decision on each step of a job with live recovery, kept in the job's store: the step is applied
 on every member or on none.
 
-Every member whose gradients were all averaged marks the step. "commit" needs every member's mark,
-and any member may propose it once they are all in (the one that completed the count may have died
-since); "discard" is proposed by a member whose step failed, or that finds a member lost before the
-count is complete. The first proposal stored wins (compare-and-set), so members never disagree.
+Every member whose gradients were all averaged marks the step. "commit" needs every member's mark:
+the member that completes the count proposes it, and so does a member that finds a member lost once
+the count is complete (the one that completed it may have died before proposing). "discard" is
+proposed by a member whose step failed, or that finds a member lost before the count is complete.
+The first proposal stored wins (compare-and-set), so members never disagree.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from shoal.orphans import die_with_parent
 from shoal.ports import free_port
 
 _GRACE_S = 10.0  # how long stopped workers get between SIGTERM and SIGKILL
+_LIVE_STRAGGLER_S = 90.0  # under --live, longer than LiveTraining's timeout: a worker this late was left behind
 _TAIL_LINES = 20
 
 
@@ -66,6 +67,9 @@ class LaunchConfig:
                              "membership run it with --nnodes 1 per job, or restart the whole job")
         if self.live and self.max_restarts:
             raise ValueError("--live keeps the other workers running and restarts none yet; drop --max-restarts")
+        if self.live and self.nnodes > 1:
+            raise ValueError("--live runs on one node for now: node 0's launcher would close the store when its "
+                             "own workers end")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not self.command:
@@ -192,20 +196,16 @@ class Launcher:
     def _watch(self) -> tuple[_Worker, int] | None:
         """Wait until every worker has exited 0 (None) or one has failed: then the worker that failed
         first (the others may only be failing because it did) and its exit code. With --live, a worker
-        that fails is reported and the others go on: the job succeeds if all the others exit 0."""
+        killed by a signal is lost, not failed: it is reported and the others go on, and the job
+        succeeds if they exit 0 (workers still running `_LIVE_STRAGGLER_S` after one has, which the
+        others must have left behind as lost, are killed). An exit code of 1 or more is still a failure."""
         reported: set[_Worker] = set()
         while not self._stopping.is_set():
             with self._changed:
                 exited = [w for w in self._workers if w.exited_at is not None]
                 failed = sorted((w for w in exited if w.proc.returncode != 0), key=lambda w: w.exited_at)
                 if self.config.live:
-                    for worker in failed:
-                        if worker not in reported:
-                            reported.add(worker)
-                            print(f"shoal run: rank {worker.rank} failed with exit code {worker.proc.returncode}; "
-                                  f"the others go on without it (--live)", file=sys.stderr)
-                    if len(failed) < len(self._workers):
-                        failed = []
+                    failed = self._live_failures(exited, failed, reported)
                 if not failed and len(exited) < len(self._workers):
                     self._changed.wait(timeout=1.0)
                     continue
@@ -216,6 +216,23 @@ class Launcher:
                 worker.pump.join(timeout=5)
             return None
         return self._workers[0], 128 + signal.SIGTERM
+
+    def _live_failures(self, exited: list[_Worker], failed: list[_Worker], reported: set[_Worker]) -> list[_Worker]:
+        """Of the failed workers, those that fail the job under --live; reports the lost ones."""
+        running = [w for w in self._workers if w.exited_at is None]
+        for worker in failed:
+            if worker.proc.returncode < 0 and worker not in reported and running:
+                reported.add(worker)
+                print(f"shoal run: rank {worker.rank} was lost (signal {-worker.proc.returncode}); the others go on "
+                      f"without it (--live)", file=sys.stderr)
+        finished = [w.exited_at for w in exited if w.proc.returncode == 0]
+        if finished and running and time.monotonic() - min(finished) > _LIVE_STRAGGLER_S:
+            for worker in running:
+                print(f"shoal run: rank {worker.rank} is still running {_LIVE_STRAGGLER_S:g}s after the others "
+                      f"finished: the others left it behind as lost; stopping it", file=sys.stderr)
+                worker.signal(signal.SIGKILL)
+        errors = [w for w in failed if w.proc.returncode > 0]
+        return errors or (failed if len(failed) == len(self._workers) else [])
 
     def _stop_all(self) -> None:
         alive = [w for w in self._workers if w.proc.poll() is None]
