@@ -106,7 +106,8 @@ class LiveTraining:
             self.group.transport.failure(r) is not None for r in range(self.generation.size)))
 
     def _regroup(self, loss: BaseException | None) -> None:
-        """On to the next generation; again, if a member is lost while its group starts."""
+        """On to the next generation; to the one after, if a member is lost while DDP takes the new
+        group's parameters. (A member lost while the new group's mesh connects ends in TimeoutError.)"""
         while True:
             before = self.generation
             self.generation = self.membership.next(before, self.group)
