@@ -142,7 +142,7 @@ def train_live(epochs: int, batch_size: int, lr: float, seed: int = 0) -> float:
     started, counts = time.perf_counter(), torch.zeros(len(train_set), dtype=torch.int64)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed + epoch))
+        order = torch.tensor(sampler.order())
         for images, labels in live.batches(loader):
             start = sampler.offset
             with live.step():

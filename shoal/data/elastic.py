@@ -65,7 +65,7 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
         self._iteration += 1
 
     def __iter__(self) -> Iterator[list[int]]:
-        order, iteration = self._order(), self._iteration
+        order, iteration = self.order(), self._iteration
         while self._handed_out < len(order) and iteration == self._iteration:
             start = self._handed_out
             size = self._step_size(len(order) - start)
@@ -87,7 +87,9 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
         step = self.batch_size * self.world_size
         return left if left - step < self.world_size else step
 
-    def _order(self) -> list[int]:
+    def order(self) -> list[int]:
+        """The epoch's samples in the order steps take them: those of the steps committed so far are
+        `order()[:offset]`."""
         n = len(self.dataset)
         if not self.shuffle:
             return list(range(n))

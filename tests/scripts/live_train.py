@@ -26,7 +26,7 @@ model = nn.Linear(6, 2).double()
 sampler = ElasticSampler(data, 2, rank=rank, world_size=int(os.environ["WORLD_SIZE"]), seed=1)
 live = LiveTraining(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler)
 trained: list[int] = []
-order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1)).tolist()
+order = sampler.order()
 for inputs, labels in live.batches(torch.utils.data.DataLoader(data, batch_sampler=sampler)):
     if rank == victim and live.steps == lost_at:
         os.kill(os.getpid(), signal.SIGKILL)
