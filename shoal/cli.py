@@ -38,16 +38,18 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--epochs", type=int, default=10)
     demo.add_argument("--backend", default="shoal", choices=["shoal", "gloo"])
     demo.add_argument("--checkpoint-dir", help="checkpoint here and resume from the newest valid checkpoint")
-    demo.add_argument("--max-restarts", type=int, default=0, help="restart all workers after a failure")
+    demo.add_argument("--max-restarts", type=int, default=None,
+                      help="restart all workers after a failure; with --live, start lost ones again (default 3)")
     demo.add_argument("--live", action="store_true", help="live recovery: when a worker dies, the others go on")
+    demo.add_argument("--min-workers", type=int, default=1, help="with --live: below this, wait for workers to join")
     bench = commands.add_parser("bench", help="run a benchmark beside PyTorch's own component",
                                 description="Run benchmarks/NAME.py; arguments after NAME go to it.")
     bench.add_argument("name", choices=BENCHMARKS)
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see NAME --help)")
     args = parser.parse_args(argv)
-    if args.command == "demo" and args.live and (args.backend != "shoal" or args.checkpoint_dir or args.max_restarts):
-        parser.error("demo --live trains with backend shoal and recovers live: it takes no --backend gloo, "
-                     "--checkpoint-dir or --max-restarts")
+    if args.command == "demo" and args.live and (args.backend != "shoal" or args.checkpoint_dir):
+        parser.error("demo --live trains with backend shoal and recovers live: it takes no --backend gloo or "
+                     "--checkpoint-dir")
     if args.command == "bench":
         _bench(args.name, args.args)
     elif args.command == "demo":
@@ -57,9 +59,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.checkpoint_dir:
             command += ["--checkpoint-dir", args.checkpoint_dir]
         if args.live:
-            command += ["--live"]
-        config = LaunchConfig(nproc_per_node=args.workers, max_restarts=args.max_restarts, live=args.live,
-                              command=command)
+            command += ["--live", "--min-workers", str(args.min_workers)]
+        restarts = args.max_restarts if args.max_restarts is not None else 3 if args.live else 0
+        config = LaunchConfig(nproc_per_node=args.workers, max_restarts=restarts, live=args.live, command=command)
         sys.exit(Launcher(config).run())
 
 

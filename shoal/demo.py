@@ -121,9 +121,10 @@ def train(epochs: int, backend: str, batch_size: int, lr: float, seed: int = 0,
     return test_accuracy
 
 
-def train_live(epochs: int, batch_size: int, lr: float, seed: int = 0) -> float:
+def train_live(epochs: int, batch_size: int, lr: float, min_workers: int = 1, seed: int = 0) -> float:
     """Train with live recovery under `shoal run --live`: when a worker dies, the others go on from
-    the last committed step. Returns the final test accuracy."""
+    the last committed step, and the worker its launcher starts in its place joins them (with fewer
+    than `min_workers`, they wait for it). Returns the final test accuracy."""
     from shoal.data import ElasticSampler
     from shoal.elastic import LiveTraining
 
@@ -134,14 +135,13 @@ def train_live(epochs: int, batch_size: int, lr: float, seed: int = 0) -> float:
     net = digits_cnn()
     optimizer = torch.optim.Adam(net.parameters(), lr=lr)
     sampler = ElasticSampler(train_set, batch_size, rank=rank, world_size=world, seed=seed)
-    live = LiveTraining(net, optimizer, sampler)
+    live = LiveTraining(net, optimizer, sampler, min_workers=min_workers)
     loader = DataLoader(train_set, batch_sampler=sampler)
-    if rank == 0:
+    if live.group.rank == 0 and live.generation.number == 0:
         print(f"training on {len(train_set)} digits with {world} workers and live recovery; "
               f"{len(test_set)} held out for testing", flush=True)
     started, counts = time.perf_counter(), torch.zeros(len(train_set), dtype=torch.int64)
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
+    for epoch in live.epochs(epochs):
         order = torch.tensor(sampler.order())
         for images, labels in live.batches(loader):
             start = sampler.offset
@@ -153,7 +153,9 @@ def train_live(epochs: int, batch_size: int, lr: float, seed: int = 0) -> float:
         if live.group.rank == 0:
             print(f"epoch {epoch + 1}: test accuracy {test_accuracy:.1%}, {live.generation.size} workers "
                   f"(generation {live.generation.number}) ({time.perf_counter() - started:.1f}s)", flush=True)
-    if live.group.rank == 0:  # from the ledger of committed steps, which every member keeps alike
+    # From the ledger of committed steps, which every member keeps alike from when it joined: rank 0
+    # is always a worker that was there before any other joined.
+    if live.group.rank == 0:
         print(f"samples trained: {int(counts.sum())} over {epochs} epochs; missed {int((counts < epochs).sum())}, "
               f"trained more than once per epoch {int((counts > epochs).sum())}", flush=True)
     live.close()
@@ -169,9 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-dir", type=Path, help="save here, and resume from the newest valid checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
     parser.add_argument("--live", action="store_true", help="live recovery (run under `shoal run --live`)")
+    parser.add_argument("--min-workers", type=int, default=1, help="with --live: below this, wait for workers to join")
     args = parser.parse_args(argv)
     if args.live:
-        train_live(args.epochs, args.batch_size, args.lr)
+        train_live(args.epochs, args.batch_size, args.lr, args.min_workers)
         return
     finish_writes_on_sigterm()  # stopped after another worker's failure: keep the checkpoint being written
     train(args.epochs, args.backend, args.batch_size, args.lr, checkpoint_dir=args.checkpoint_dir,

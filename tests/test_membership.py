@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -14,7 +16,7 @@ import torch.distributed as tdist
 
 from shoal.comm.reduce_op import ReduceOp
 from shoal.comm.store import Store
-from shoal.elastic.membership import EvictedError, Generation, Membership
+from shoal.elastic.membership import EvictedError, Generation, JobFinished, Membership
 from shoal.errors import GroupBrokenError, PeerFailure
 from tests.ranks import run_ranks
 
@@ -104,3 +106,31 @@ def test_a_member_neither_joined_nor_lost_is_waited_for_within_the_timeout() -> 
     alone = Membership(Store(tdist.HashStore()), "worker0", host="127.0.0.1", timeout=timedelta(seconds=0.3))
     with pytest.raises(TimeoutError, match=r"members \['worker1'\] neither joined it nor were found lost"):
         alone.next(Generation(0, ("worker0", "worker1")), _Judging(set()))
+
+
+def test_a_worker_started_in_place_of_a_lost_one_joins_the_next_generation_after_the_members() -> None:
+    store = Store(tdist.HashStore())
+    member, joiner = (Membership(store, name, host="127.0.0.1", timeout=timedelta(seconds=10))
+                      for name in ("worker0", "worker0-again"))
+    first = member.first(0, 1)
+    assert first == Generation(0, ("worker0",))
+    assert joiner.first(0, 1) is None  # rank 0's place in generation 0 is taken
+    assert not member.joiners_waiting(first)
+    with ThreadPoolExecutor(1) as pool:
+        admitted = pool.submit(joiner.join)
+        deadline = time.monotonic() + 10
+        while not member.joiners_waiting(first) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        second = member.next(first, _Judging(set()))
+        assert second == Generation(1, ("worker0", "worker0-again"), joined=1)
+        assert admitted.result(timeout=10) == second
+    assert not member.joiners_waiting(second)
+
+
+def test_a_worker_waiting_to_join_a_job_that_finished_ends_with_status_0() -> None:
+    store = Store(tdist.HashStore())
+    Membership(store, "worker0", host="127.0.0.1", timeout=timedelta(seconds=10)).finish()
+    late = Membership(store, "late", host="127.0.0.1", timeout=timedelta(seconds=10))
+    with pytest.raises(JobFinished) as finished:
+        late.join()
+    assert finished.value.code == 0

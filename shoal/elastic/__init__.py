@@ -1,8 +1,10 @@
 """Launching workers (the `shoal run` launcher, torchrun's flags and environment), and live recovery:
-training that goes on in the same processes when workers are lost, on generations of membership."""
+training that goes on in the same processes when workers are lost, and that workers join, on
+generations of membership."""
 
 from shoal.elastic.launcher import LaunchConfig, Launcher, parse_args
 from shoal.elastic.live import LiveTraining
-from shoal.elastic.membership import EvictedError, Generation, Membership
+from shoal.elastic.membership import EvictedError, Generation, JobFinished, Membership
 
-__all__ = ["EvictedError", "Generation", "LaunchConfig", "Launcher", "LiveTraining", "Membership", "parse_args"]
+__all__ = ["EvictedError", "Generation", "JobFinished", "LaunchConfig", "Launcher", "LiveTraining", "Membership",
+           "parse_args"]

@@ -9,8 +9,10 @@ the workers so with TORCHELASTIC_USE_AGENT_STORE=True, as torchrun does (torch.d
 env:// rendezvous then joins it too). When a worker fails, the others are stopped and the failure is
 reported (rank, exit code, the tail of its output); with `--max-restarts K` all workers are restarted
 instead, up to K times, each attempt with a fresh store (on a fresh port unless one was given) so that
-no attempt reads keys another one left behind. With several nodes, the store lives as long as node 0's
-launcher.
+no attempt reads keys another one left behind. With `--live`, a worker killed by a signal is lost
+instead: the others go on without it (shoal.elastic.live), and with `--max-restarts K` the launcher
+starts a new worker in its place, up to K times in the job, which joins them. With several nodes, the
+store lives as long as node 0's launcher.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class LaunchConfig:
     master_port: int | None = None
     """Its port; None picks a free one (single node only)."""
     max_restarts: int = 0
-    """How many times to restart all workers after a failure."""
+    """How many times to restart all workers after a failure; with `live`, lost workers, one at a time."""
     live: bool = False
     """Keep the other workers running when one fails (live recovery, shoal.elastic.live)."""
     command: list[str] = field(default_factory=list)
@@ -65,8 +67,6 @@ class LaunchConfig:
         if self.nnodes > 1 and self.max_restarts:
             raise ValueError("--max-restarts needs every node to restart together; with static multi-node "
                              "membership run it with --nnodes 1 per job, or restart the whole job")
-        if self.live and self.max_restarts:
-            raise ValueError("--live keeps the other workers running and restarts none yet; drop --max-restarts")
         if self.live and self.nnodes > 1:
             raise ValueError("--live runs on one node for now: node 0's launcher would close the store when its "
                              "own workers end")
@@ -77,9 +77,8 @@ class LaunchConfig:
 
 
 class _Worker:
-    def __init__(self, local_rank: int, rank: int, env: dict[str, str], command: list[str],
-                 changed: threading.Condition) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, env: dict[str, str], command: list[str], changed: threading.Condition) -> None:
+        self.rank, self.env, self.command = rank, env, command
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         # Its own session: signals reach the worker and whatever it starts through its process group,
         # sent by the launcher, and a terminal's Ctrl-C does not hit workers before the launcher decides.
@@ -141,6 +140,8 @@ class Launcher:
         self.config = config
         self.secret = os.environ.get("SHOAL_SECRET") or (secrets.token_hex(32) if config.nnodes == 1 else "")
         self._workers: list[_Worker] = []
+        self._replaced: list[_Worker] = []  # lost workers that new ones took the place of (--live)
+        self._left_behind: set[_Worker] = set()  # workers this launcher killed because the others went on (--live)
         self._stopping = threading.Event()
         # Reentrant: the signal handler notifies it from the main thread, which may hold it already.
         self._changed = threading.Condition(threading.RLock())
@@ -149,7 +150,8 @@ class Launcher:
         """Run the job to the end; returns the exit code for the launcher's own process."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            for attempt in range(self.config.max_restarts + 1):
+            attempts = 1 if self.config.live else self.config.max_restarts + 1  # --live restarts lost workers only
+            for attempt in range(attempts):
                 try:
                     failed = self._attempt(attempt)
                 except OSError as exc:  # the store's port is taken, or a worker could not start
@@ -161,10 +163,10 @@ class Launcher:
                     return 128 + signal.SIGTERM
                 worker, code = failed
                 print(f"shoal run: rank {worker.rank} failed with exit code {code} (attempt {attempt + 1} of "
-                      f"{self.config.max_restarts + 1}); its last output:", file=sys.stderr)
+                      f"{attempts}); its last output:", file=sys.stderr)
                 for line in worker.tail:
                     print(f"    {line}", file=sys.stderr)
-                if attempt < self.config.max_restarts:
+                if attempt + 1 < attempts:
                     print("shoal run: restarting all workers", file=sys.stderr)
             return 1
         finally:
@@ -186,7 +188,7 @@ class Launcher:
         for local in range(cfg.nproc_per_node):
             rank = cfg.node_rank * cfg.nproc_per_node + local
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(local))
-            self._workers.append(_Worker(local, rank, env, cfg.command, self._changed))
+            self._workers.append(_Worker(rank, env, cfg.command, self._changed))
         try:
             return self._watch()
         finally:
@@ -196,7 +198,8 @@ class Launcher:
     def _watch(self) -> tuple[_Worker, int] | None:
         """Wait until every worker has exited 0 (None) or one has failed: then the worker that failed
         first (the others may only be failing because it did) and its exit code. With --live, a worker
-        killed by a signal is lost, not failed: it is reported and the others go on, and the job
+        killed by a signal is lost, not failed: it is reported and the others go on (a new worker takes its
+        place while --max-restarts allows and none has finished), and the job
         succeeds if they exit 0 (workers still running `_LIVE_STRAGGLER_S` after one has, which the
         others must have left behind as lost, are killed). An exit code of 1 or more is still a failure."""
         reported: set[_Worker] = set()
@@ -206,6 +209,7 @@ class Launcher:
                 failed = sorted((w for w in exited if w.proc.returncode != 0), key=lambda w: w.exited_at)
                 if self.config.live:
                     failed = self._live_failures(exited, failed, reported)
+                    exited = [w for w in exited if w in self._workers]  # a new worker may have taken a lost one's place
                 if not failed and len(exited) < len(self._workers):
                     self._changed.wait(timeout=1.0)
                     continue
@@ -220,19 +224,31 @@ class Launcher:
     def _live_failures(self, exited: list[_Worker], failed: list[_Worker], reported: set[_Worker]) -> list[_Worker]:
         """Of the failed workers, those that fail the job under --live; reports the lost ones."""
         running = [w for w in self._workers if w.exited_at is None]
+        finished = [w.exited_at for w in exited if w.proc.returncode == 0]
         for worker in failed:
             if worker.proc.returncode < 0 and worker not in reported and running:
                 reported.add(worker)
                 print(f"shoal run: rank {worker.rank} was lost (signal {-worker.proc.returncode}); the others go on "
                       f"without it (--live)", file=sys.stderr)
-        finished = [w.exited_at for w in exited if w.proc.returncode == 0]
+                if len(self._replaced) < self.config.max_restarts and not finished and worker not in self._left_behind:
+                    self._restart(worker)
+        failed = [w for w in failed if w in self._workers]
         if finished and running and time.monotonic() - min(finished) > _LIVE_STRAGGLER_S:
             for worker in running:
                 print(f"shoal run: rank {worker.rank} is still running {_LIVE_STRAGGLER_S:g}s after the others "
                       f"finished: the others left it behind as lost; stopping it", file=sys.stderr)
+                self._left_behind.add(worker)
                 worker.signal(signal.SIGKILL)
         errors = [w for w in failed if w.proc.returncode > 0]
         return errors or (failed if len(failed) == len(self._workers) else [])
+
+    def _restart(self, lost: _Worker) -> None:
+        """Start a new worker with `lost`'s rank, which joins the others (--live --max-restarts)."""
+        self._replaced.append(lost)
+        print(f"shoal run: starting a new rank {lost.rank} to join them (restart {len(self._replaced)} of "
+              f"{self.config.max_restarts})", file=sys.stderr)
+        env = dict(lost.env, SHOAL_RESTART_COUNT=str(len(self._replaced)))
+        self._workers[self._workers.index(lost)] = _Worker(lost.rank, env, lost.command, self._changed)
 
     def _stop_all(self) -> None:
         alive = [w for w in self._workers if w.proc.poll() is None]
@@ -246,7 +262,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 worker.signal(signal.SIGKILL)
                 worker.proc.wait()
-        for worker in self._workers:
+        for worker in [*self._replaced, *self._workers]:
             worker.pump.join(timeout=2)
 
     def _on_signal(self, signum: int, frame: object) -> None:

@@ -1,16 +1,22 @@
-"""Live recovery: data-parallel training that goes on in the same processes when workers are lost.
+"""Live recovery: data-parallel training that goes on in the same processes when workers are lost, and
+that workers join (restarted by their launcher, or new) without stopping the others.
 
     live = LiveTraining(net, optimizer, sampler)      # under `shoal run --live`
-    for x, y in live.batches(loader):
-        with live.step():
-            loss_fn(live.model(x), y).backward()      # live.model: DDP over this generation's group
+    for epoch in live.epochs(10):                     # a joiner starts at the epoch the others are in
+        for x, y in live.batches(loader):
+            with live.step():
+                loss_fn(live.model(x), y).backward()  # live.model: DDP over this generation's group
+    live.close()
     # each step is applied (optimizer.step, sampler.commit) on every member, or on none
 
 Each step ends with one decision kept in the job's store (decisions.py). A discarded step is taken
 again, after the members still alive have agreed on the next generation (membership.py): DDP adopts
 its group and the sampler shares the lost members' samples out, so every sample is trained exactly
-once. What a discarded step's forward changed besides the gradients (BatchNorm's running statistics,
-the random number generators) is not rolled back.
+once. A worker whose launch rank is taken (it replaces a lost one) asks to join; the members admit it
+after the next step that commits, in a new generation. Whenever the generation changes, every member
+takes rank 0's parameters, buffers, optimizer state, data position and step count over the transport
+(handover.py), so all hold the same state. What a discarded step's forward changed besides the
+gradients (BatchNorm's running statistics, the random number generators) is not rolled back.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import itertools
 import os
 import secrets
 import socket
-from collections.abc import Iterable, Iterator
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -27,22 +35,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.backoff import attempts
 from shoal.comm.store import Store
 from shoal.data.elastic import ElasticSampler
-from shoal.elastic.decisions import StepDecisions
-from shoal.elastic.membership import Membership
+from shoal.elastic.decisions import DISCARD, GROW, StepDecisions
+from shoal.elastic.handover import share_state
+from shoal.elastic.membership import JobFinished, Membership
 from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.parallel import DistributedDataParallel
 
 _LOSSES = (PeerFailure, GroupBrokenError)  # what ends a generation; anything else is the script's error
 _trainings = itertools.count()
+_JOIN_POLL_S = 0.2  # how often a step's decision looks for joiners: a store round trip, not made every step
 
 
 class LiveTraining:
-    """One worker's part in a job with live recovery; `model` is the DDP replica to train."""
+    """One worker's part in a job with live recovery; `model` is the DDP replica to train. `extra`: other
+    objects with state_dict/load_state_dict (a learning-rate scheduler) that a joiner takes from the
+    others with the optimizer's state. With fewer than `min_workers` members, the members wait (up to
+    `timeout`) for workers to join before they go on."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler, *,
+                 extra: Mapping[str, Any] | None = None, min_workers: int = 1,
                  timeout: timedelta = timedelta(seconds=60), **ddp_options: Any) -> None:
+        if min_workers < 1:
+            raise ValueError(f"min_workers must be at least 1, got {min_workers}")
         if os.environ.get("SHOAL_LIVE") != "1" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             raise RuntimeError("live recovery needs a launcher that serves the store and keeps the other workers "
                                "running when one is lost: run the script under `shoal run --live`")
@@ -53,15 +70,32 @@ class LiveTraining:
         self._store = store.scoped(f"live/{next(_trainings)}/")
         me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self.membership = Membership(self._store.scoped("generations/"), me, host=host, timeout=timeout)
-        self.generation = self.membership.first(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-        self.group = self.membership.group(self.generation)
-        self.model = DistributedDataParallel(module, process_group=self.group, **ddp_options)
-        self.optimizer, self.sampler = optimizer, sampler
-        sampler.set_membership(self.group.rank, self.group.size)
+        self.optimizer, self.sampler, self._extra = optimizer, sampler, dict(extra or {})
+        self.min_workers, self._timeout = min_workers, timeout
         self.steps = 0
         """Steps committed: what a learning-rate schedule should follow."""
         self._decisions = StepDecisions(self._store.scoped("steps/"), timeout)
         self._regrouped = False
+        self._looked_for_joiners = time.monotonic()
+        self._module, self._ddp_options = module, ddp_options
+        self.model: DistributedDataParallel | None = None
+        first = self.membership.first(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        self._holds_state = first is not None  # a joiner holds the training state once rank 0 has shared it
+        try:
+            self.generation = first if first is not None else self.membership.join()
+        except JobFinished:
+            print("shoal: the others finished the job before this worker could join it", file=sys.stderr, flush=True)
+            raise
+        self.group = self.membership.group(self.generation)
+        self._regroup(None, advance=False)
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """The epochs of 0..count-1 still to train, each begun on the sampler (`set_epoch`), except the
+        one in progress: a joiner goes on with the others' epoch where they are."""
+        for epoch in range(self.sampler.epoch, count):
+            if epoch != self.sampler.epoch:
+                self.sampler.set_epoch(epoch)
+            yield epoch
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
         """The loader's batches to the end of the epoch; after a change of generation, from the
@@ -89,40 +123,95 @@ class LiveTraining:
         else:
             loss = None
         try:
-            if self._decide(reduced=loss is None):
+            decision = self._decide(reduced=loss is None)
+            if decision == DISCARD:
+                self._regroup(loss)
+            else:
                 self.optimizer.step()
                 self.sampler.commit()
                 self.steps += 1
-            else:
-                self._regroup(loss)
+                if decision == GROW:
+                    self._regroup(None)
         finally:
             self.optimizer.zero_grad()
 
     def _step_key(self) -> str:
         return f"{self.generation.number}/{self.steps}"
 
-    def _decide(self, reduced: bool) -> bool:
+    def _decide(self, reduced: bool) -> str:
         return self._decisions.decide(self._step_key(), self.generation.size, reduced=reduced, member_lost=lambda: any(
-            self.group.transport.failure(r) is not None for r in range(self.generation.size)))
+            self.group.transport.failure(r) is not None for r in range(self.generation.size)),
+            joiners_waiting=self._joiners_waiting)
 
-    def _regroup(self, loss: BaseException | None) -> None:
-        """On to the next generation; to the one after, if a member is lost while DDP takes the new
-        group's parameters. (A member lost while the new group's mesh connects ends in TimeoutError.)"""
+    def _joiners_waiting(self) -> bool:
+        now = time.monotonic()
+        if now - self._looked_for_joiners < _JOIN_POLL_S:
+            return False
+        self._looked_for_joiners = now
+        return self.membership.joiners_waiting(self.generation)
+
+    def _regroup(self, loss: BaseException | None, *, advance: bool = True) -> None:
+        """On to the next generation, after `loss` (None: to admit joiners), or (`advance` False) into
+        this one; to the one after, if a member is lost while the group takes rank 0's state, or if the
+        generation is smaller than `min_workers` (once workers ask to join). (A member lost while the
+        new group's mesh connects ends in TimeoutError.)"""
         while True:
-            before = self.generation
-            self.generation = self.membership.next(before, self.group)
-            if self.generation.members == before.members:
-                raise RuntimeError(f"generation {before.number}'s step failed with no member lost: "
-                                   f"{loss!r}") from loss
-            self.group = self.membership.group(self.generation)
+            if advance:
+                before = self.generation
+                self.generation = self.membership.next(before, self.group)
+                if loss is not None and set(before.members) <= set(self.generation.members):
+                    raise RuntimeError(f"generation {before.number}'s step failed with no member lost: "
+                                       f"{loss!r}") from loss
+                self.group = self.membership.group(self.generation)
+            advance = True
             try:
-                self.model.adopt(self.group)
+                self._enter()
             except _LOSSES as exc:
                 loss = exc
                 continue
-            break
-        self.sampler.set_membership(self.group.rank, self.group.size)
+            if self.generation.size >= self.min_workers:
+                break
+            self._await_joiners()
+            loss = None
         self._regrouped = True
 
+    def _await_joiners(self) -> None:
+        if self.group.rank == 0:
+            print(f"shoal: generation {self.generation.number} has {self.generation.size} workers, fewer than "
+                  f"min_workers={self.min_workers}; waiting up to {self._timeout.total_seconds():g}s for workers "
+                  f"to join", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        for _ in attempts(deadline, first=0.005, limit=0.1, factor=1.5):
+            if self.membership.joiners_waiting(self.generation):
+                return
+        self.group.shutdown()
+        raise TimeoutError(f"generation {self.generation.number}: {self.generation.size} workers, fewer than "
+                           f"min_workers={self.min_workers}, and none joined within {self._timeout.total_seconds():g}s")
+
+    def _enter(self) -> None:
+        """Take part in this generation's group: DDP over it, and rank 0's parameters, buffers and state."""
+        if self.model is None:
+            self.model = DistributedDataParallel(self._module, process_group=self.group, **self._ddp_options)
+        else:
+            self.model.adopt(self.group)
+        if self.group.rank == 0 and not self._holds_state:
+            raise RuntimeError(f"generation {self.generation.number}: every worker that held the training state "
+                               f"was lost; only workers still joining are left")
+        state = share_state(self.group, self._state() if self.group.rank == 0 else None)
+        if self.group.rank != 0:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.sampler.load_state_dict(state["sampler"])
+            for name, obj in self._extra.items():
+                obj.load_state_dict(state["extra"][name])
+            self.steps = state["steps"]
+        self._holds_state = True
+        self.sampler.set_membership(self.group.rank, self.group.size)
+
+    def _state(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(), "steps": self.steps,
+                "extra": {name: obj.state_dict() for name, obj in self._extra.items()}}
+
     def close(self) -> None:
+        """Training is over: workers still waiting to join end (JobFinished)."""
+        self.membership.finish()
         self.group.shutdown()

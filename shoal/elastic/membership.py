@@ -2,16 +2,20 @@
 launcher serves it).
 
 A generation is a number and its members' ids in rank order. Process groups are built per generation
-(`Membership.group`), so a failure ends a generation, not the job. When members are lost, the others
-agree on the next generation: each registers under it and waits until every member of the current
-one has either registered or is known lost to its transport (crashed, left, or silent past the
-heartbeat timeout); then it proposes those registered. The first proposal stored wins
-(compare-and-set), so no two members ever see different members for one generation, whatever the
-partition, and a member left out learns so (EvictedError).
+(`Membership.group`), so a failure ends a generation, not the job. When members are lost, or workers
+ask to join, the members agree on the next generation: each registers under it and waits until every
+member of the current one has either registered or is known lost to its transport (crashed, left, or
+silent past the heartbeat timeout); then it proposes those registered, followed by the joiners waiting.
+The first proposal stored wins (compare-and-set), so no two members ever see different members for one
+generation, whatever the partition, and a member left out learns so (EvictedError).
+
+A worker joins by taking the next numbered join slot; members look for one at step boundaries
+(`joiners_waiting`), and tell each joiner which generation admitted it.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,11 +29,20 @@ class EvictedError(RuntimeError):
     """This worker is not a member of the generation the others agreed on (they judged it lost)."""
 
 
+class JobFinished(SystemExit):
+    """The job ended before this worker could join it: it ends the process with status 0 unless caught."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
 @dataclass(frozen=True)
 class Generation:
     number: int
     members: tuple[str, ...]
     """Member ids, in rank order."""
+    joined: int = 0
+    """How many join slots generations up to this one have admitted (slots are numbered from 1)."""
 
     @property
     def size(self) -> int:
@@ -48,13 +61,37 @@ class Membership:
         self._host = host  # the store's host: the interface that reaches it is the one peers can reach
         self._timeout = timeout
 
-    def first(self, rank: int, world_size: int) -> Generation:
-        """Generation 0: the workers the launcher started, in the order of their launch ranks."""
-        self._store.set(f"0/member/{rank}", self.me)
+    def first(self, rank: int, world_size: int) -> Generation | None:
+        """Generation 0: the workers the launcher started, in the order of their launch ranks; None if
+        `rank`'s place in it is taken (this worker was started in place of a lost one: it must `join`)."""
+        if self._store.compare_set(f"0/member/{rank}", self.me) != self.me:
+            return None
         members = tuple(self._store.get(f"0/member/{r}", timeout=self._timeout) for r in range(world_size))
         if len(set(members)) != world_size:
             raise ValueError(f"generation 0: member ids {members} are not unique")
         return Generation(0, members)
+
+    def join(self) -> Generation:
+        """Ask to join, and wait until a generation admits this worker (the members look at their next
+        step boundary); JobFinished if the job ends first."""
+        slot = next(k for k in itertools.count(1) if self._store.compare_set(f"joins/{k}", self.me) == self.me)
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        for _ in attempts(deadline, first=0.005, limit=0.1, factor=1.5):
+            if self._store.has(f"joins/{slot}/generation"):
+                number = int(self._store.get(f"joins/{slot}/generation", timeout=self._timeout))
+                return self._agreed(number)
+            if self._store.has("finished"):
+                raise JobFinished
+        raise TimeoutError(f"{self.me}: no generation admitted this worker within {self._timeout.total_seconds():g}s "
+                           f"(the members admit joiners between steps)")
+
+    def joiners_waiting(self, generation: Generation) -> bool:
+        """Whether a worker has asked to join since `generation` was agreed."""
+        return self._store.has(f"joins/{generation.joined + 1}")
+
+    def finish(self) -> None:
+        """The job is over: workers still waiting to join learn so (JobFinished)."""
+        self._store.set("finished", 1)
 
     def group(self, generation: Generation) -> ShoalProcessGroup:
         """The world group of `generation`, over a mesh of its own."""
@@ -63,7 +100,8 @@ class Membership:
 
     def next(self, current: Generation, group: ShoalProcessGroup) -> Generation:
         """The generation after `current`, agreed with the other members still alive. `group` is
-        `current`'s: its transport tells which members are lost; it is shut down once they agree."""
+        `current`'s: its transport tells which members are lost; it is shut down once they agree. Joiners
+        waiting come after the members, so rank 0 is a member of `current`."""
         number = current.number + 1
         self._store.set(f"{number}/alive/{self.me}", 1)
         deadline = time.monotonic() + self._timeout.total_seconds()
@@ -77,10 +115,21 @@ class Membership:
             group.shutdown()
             raise TimeoutError(f"generation {number}: members {undecided} neither joined it nor were found lost "
                                f"within {self._timeout.total_seconds():g}s")
-        proposal = [m for m in current.members if m in registered]
-        generation = Generation(number, tuple(self._store.compare_set(f"{number}/members", proposal)))
+        joiners = []
+        while self._store.has(f"joins/{current.joined + len(joiners) + 1}"):
+            joiners.append(self._store.get(f"joins/{current.joined + len(joiners) + 1}", timeout=self._timeout))
+        survivors = [m for m in current.members if m in registered]
+        self._store.compare_set(f"{number}/members", {"members": survivors + joiners,
+                                                     "joined": current.joined + len(joiners)})
+        generation = self._agreed(number)
+        for slot in range(current.joined + 1, generation.joined + 1):
+            self._store.set(f"joins/{slot}/generation", number)
         group.shutdown()
         if self.me not in generation.members:
             raise EvictedError(f"{self.me}: generation {number} was agreed without this worker "
                                f"(members {list(generation.members)})")
         return generation
+
+    def _agreed(self, number: int) -> Generation:
+        record = self._store.get(f"{number}/members", timeout=self._timeout)
+        return Generation(number, tuple(record["members"]), record["joined"])

@@ -92,9 +92,10 @@ class DistributedDataParallel(nn.Module):
 
     def adopt(self, group: ProcessGroup) -> None:
         """Go on in `group`, the next generation's after a failure (shoal.elastic): the reductions the
-        broken group left in flight are dropped, not awaited, and every replica takes the new rank 0's
-        parameters and buffers, as at construction. A communication hook whose state holds the old
-        group must be registered again."""
+        broken group left in flight are dropped, not awaited, and, as at construction, the replicas
+        (a joiner's among them, new in `group`) check they wrap the same model and take the new rank
+        0's parameters and buffers. A communication hook whose state holds the old group must be
+        registered again."""
         if self._hook_state is self.process_group:
             self._hook_state = group
         self.process_group = group
@@ -102,6 +103,7 @@ class DistributedDataParallel(nn.Module):
         for bucket in self.buckets:
             bucket.reset()
         self._prepared = False
+        _check_same_parameters([(n, p) for n, p in self.module.named_parameters() if p.requires_grad], group)
         self._sync_from_rank0([*self.module.parameters(), *self.module.buffers()])
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Pending]) -> None:

@@ -1,6 +1,8 @@
-"""Live recovery under `shoal run --live`: a small classifier trained for one epoch; the rank and step
-given by --kill RANK:STEP SIGKILL themselves. Each worker that finishes prints what its ledger of
-committed steps says, and a digest of its parameters."""
+"""Live recovery under `shoal run --live`: a small classifier trained for some epochs; each --kill
+RANK:STEP makes that rank SIGKILL itself before that step (in its first life only: a worker the
+launcher starts in its place joins and goes on). Whenever its generation changes, each worker prints
+the step and a digest of its parameters, optimizer state and learning-rate schedule; each that
+finishes prints what its ledger of committed steps says."""
 
 import argparse
 import hashlib
@@ -14,27 +16,55 @@ from shoal.data import ElasticSampler
 from shoal.elastic import LiveTraining
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--kill", default="-1:-1")
-victim, lost_at = map(int, parser.parse_args().kill.split(":"))
+parser.add_argument("--kill", action="append", default=[], help="RANK:STEP")
+parser.add_argument("--epochs", type=int, default=1)
+parser.add_argument("--min-workers", type=int, default=1)
+args = parser.parse_args()
+kills = {tuple(map(int, k.split(":"))) for k in args.kill}
 rank = int(os.environ["RANK"])
+first_life = os.environ.get("SHOAL_RESTART_COUNT", "0") == "0"
 
 generator = torch.Generator().manual_seed(5)
 x = torch.randn(61, 6, generator=generator, dtype=torch.float64)
 data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
 torch.manual_seed(0)
 model = nn.Linear(6, 2).double()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 sampler = ElasticSampler(data, 2, rank=rank, world_size=int(os.environ["WORLD_SIZE"]), seed=1)
-live = LiveTraining(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler)
-trained: list[int] = []
-order = sampler.order()
-for inputs, labels in live.batches(torch.utils.data.DataLoader(data, batch_sampler=sampler)):
-    if rank == victim and live.steps == lost_at:
-        os.kill(os.getpid(), signal.SIGKILL)
-    start = sampler.offset
-    with live.step():
-        nn.functional.cross_entropy(live.model(inputs), labels).backward()
-    trained += order[start:sampler.offset]  # what the step committed, every member's share
-digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
-print(f"samples {len(set(trained))} missing {len(data) - len(set(trained))} twice {len(trained) - len(set(trained))} "
-      f"generation {live.generation.number} of {live.generation.size} params {digest}")
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)  # stepped once per committed step
+live = LiveTraining(model, optimizer, sampler, extra={"scheduler": scheduler}, min_workers=args.min_workers)
+
+
+def digest() -> str:
+    momenta = [optimizer.state[p]["momentum_buffer"] for p in model.parameters() if p in optimizer.state]
+    tensors = [*model.parameters(), *momenta]
+    schedule = f"{scheduler.last_epoch} {optimizer.param_groups[0]['lr']!r}".encode()
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors) + schedule).hexdigest()[:16]
+
+
+def report() -> int:
+    print(f"generation {live.generation.number} of {live.generation.size} step {live.steps} state {digest()}",
+          flush=True)
+    return live.generation.number
+
+
+reported = report()
+trained: list[tuple[int, int]] = []
+for epoch in live.epochs(args.epochs):
+    order = sampler.order()
+    for inputs, labels in live.batches(torch.utils.data.DataLoader(data, batch_sampler=sampler)):
+        if first_life and (rank, live.steps) in kills:
+            os.kill(os.getpid(), signal.SIGKILL)
+        start = sampler.offset
+        committed = live.steps
+        with live.step():
+            nn.functional.cross_entropy(live.model(inputs), labels).backward()
+        if live.steps > committed:
+            scheduler.step()
+        trained += [(epoch, i) for i in order[start:sampler.offset]]  # what the step committed, every member's share
+        if live.generation.number != reported:
+            reported = report()
+once = len(set(trained))
+print(f"samples {once} missing {args.epochs * len(data) - once} twice {len(trained) - once} "
+      f"generation {live.generation.number} of {live.generation.size} steps {live.steps} state {digest()}")
 live.close()

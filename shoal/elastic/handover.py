@@ -1,0 +1,33 @@
+"""Handing training state from a generation's rank 0 to every member over the group's transport, so
+that a worker that joins (restarted, or new) starts from the state the others hold, not from disk."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from shoal.comm.group import ProcessGroup
+
+
+def share_state(group: ProcessGroup, state: dict[str, Any] | None) -> dict[str, Any]:
+    """Rank 0's `state` (tensors, containers and plain values, as optimizers' state dicts hold), on every
+    rank of `group`: rank 0 passes it, the others None."""
+    root = group.ranks[0]
+    if group.rank == 0:
+        if state is None:
+            raise ValueError("share_state: rank 0 must pass the state to share")
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    group.broadcast(length, root).wait()
+    if group.rank != 0:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    group.broadcast(payload, root).wait()
+    if group.rank == 0:
+        return state
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
