@@ -10,6 +10,11 @@
    restarted under `shoal run --max-restarts 1` (shoal DDP) and under torchrun (torch DDP, gloo), 2
    workers each. Reported: the share of trials that finish, and the median time from the worker's
    death to the first step completed after it (after the restart, or taken again live).
+3. A joiner catching up: live recovery with `--max-restarts 1` and min_workers 3, so the survivors
+   wait for the worker the launcher starts in the lost one's place. Reported: from the death to the
+   new worker being ready to join (process start, imports, building the model and data), and from
+   then to its first committed step (admission at a step boundary, the new group, the parameters
+   and state from rank 0, the step itself).
 """
 
 from __future__ import annotations
@@ -61,17 +66,17 @@ def _launchers(impl: str, ckpt: Path, kill_at: int) -> list[str]:
     if impl == "live":  # three workers, so that two go on together
         return [sys.executable, "-m", "shoal.run", "--live", "--nproc-per-node", "3", str(JOB), "--impl", "live",
                 "--kill-at", str(kill_at)]
+    if impl == "rejoin":
+        return [sys.executable, "-m", "shoal.run", "--live", "--max-restarts", "1", "--nproc-per-node", "3", str(JOB),
+                "--impl", "live", "--kill-at", str(kill_at), "--min-workers", "3"]
     job = [str(JOB), "--impl", impl, "--dir", str(ckpt)]
     if impl == "shoal":
         return [sys.executable, "-m", "shoal.run", "--nproc-per-node", "2", "--max-restarts", "1", *job]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1", *job]
 
 
-def trial(impl: str, timeout: float) -> float | None:
-    """Seconds from the death to the first step completed after it; None if the job did not finish."""
-    # Live recovery takes the lost step again, so its kill can fall on any step; restarts resume from
-    # the checkpoint of step 20 and take steps 21 to 25 again: the first measured is 21.
-    kill_at = random.randint(1, 38) if impl == "live" else 25
+def _run(impl: str, kill_at: int, timeout: float) -> str | None:
+    """The job's output, or None if it did not finish."""
     with tempfile.TemporaryDirectory() as tmp:
         # A session of its own, so that a hung job's workers can be stopped with their launcher.
         job = subprocess.Popen(_launchers(impl, Path(tmp), kill_at), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -82,7 +87,15 @@ def trial(impl: str, timeout: float) -> float | None:
             os.killpg(job.pid, signal.SIGKILL)
             job.communicate()
             return None
-    if job.returncode != 0:
+    return out if job.returncode == 0 else None
+
+
+def trial(impl: str, timeout: float) -> float | None:
+    """Seconds from the death to the first step completed after it; None if the job did not finish."""
+    # Live recovery takes the lost step again, so its kill can fall on any step; restarts resume from
+    # the checkpoint of step 20 and take steps 21 to 25 again: the first measured is 21.
+    kill_at = random.randint(1, 38) if impl == "live" else 25
+    if (out := _run(impl, kill_at, timeout)) is None:
         return None
     # torchrun does not prefix its workers' lines, so two ranks' output may run together on one line.
     death = float(re.search(r"death (\d+\.\d{6})", out).group(1))
@@ -91,17 +104,30 @@ def trial(impl: str, timeout: float) -> float | None:
     return min(after) - death if after else None
 
 
+def joiner_trial(timeout: float) -> tuple[float, float] | None:
+    """Seconds from the death to the joiner being ready to join, and from then to its first committed
+    step; None if the job did not finish."""
+    if (out := _run("rejoin", random.randint(1, 38), timeout)) is None:
+        return None
+    death = float(re.search(r"death (\d+\.\d{6})", out).group(1))
+    joiner = out[out.index("[rank1]: ready "):]
+    ready = float(re.search(r"ready (\d+\.\d{6})", joiner).group(1))
+    first = float(re.search(r"\[rank1\]: step \d+ (\d+\.\d{6})", joiner).group(1))
+    return ready - death, first - ready
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=60, help="seconds after which a trial counts as failed")
-    parser.add_argument("--only", choices=["save", "live", "shoal", "torch"], help="run one part only")
+    parser.add_argument("--only", choices=["save", "live", "shoal", "torch", "rejoin"], help="run one part only")
     args = parser.parse_args(argv)
     if args.only in (None, "save"):
         print("| save of a 100 MB model | time |\n|---|---|")
         for name, seconds in save_blocking().items():
             print(f"| {name} | {seconds * 1e3:,.0f} ms |")
-    print("\n| launcher | recovered | median death-to-first-step | all recoveries |\n|---|---|---|---|")
+    if args.only in (None, "live", "shoal", "torch"):
+        print("\n| launcher | recovered | median death-to-first-step | all recoveries |\n|---|---|---|---|")
     for impl, label in (("live", "shoal run --live (live recovery, 3 workers)"), ("shoal", "shoal run (shoal DDP)"),
                         ("torch", "torchrun (torch DDP, gloo)")):
         if args.only not in (None, impl):
@@ -111,6 +137,15 @@ def main(argv: list[str] | None = None) -> None:
         median = f"{statistics.median(ok):.2f} s" if ok else "-"
         print(f"| {label} | {len(ok)} of {len(results)} | {median} | {', '.join(f'{r:.2f}' for r in ok)} |",
               flush=True)
+    if args.only in (None, "rejoin"):
+        joins = [joiner_trial(args.timeout) for _ in range(args.trials)]
+        ok = [j for j in joins if j is not None]
+        print("\n| joiner (shoal run --live --max-restarts 1, min_workers 3) | joined | median death to ready | "
+              "median ready to first committed step | slowest ready to first step |\n|---|---|---|---|---|")
+        if ok:
+            print(f"| 3 workers, rank 1 killed at a random step | {len(ok)} of {len(joins)} | "
+                  f"{statistics.median(r for r, _ in ok):.2f} s | {statistics.median(c for _, c in ok):.2f} s | "
+                  f"{max(c for _, c in ok):.2f} s |", flush=True)
 
 
 if __name__ == "__main__":

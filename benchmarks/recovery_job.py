@@ -1,10 +1,12 @@
 """The training job `benchmarks/recovery.py` kills and restarts: the same small DDP job written against
 shoal (`--impl shoal`, under `shoal run`) or against torch.distributed (`--impl torch`, under torchrun);
-with `--impl live` (under `shoal run --live`), the job is not restarted: the survivors go on.
+with `--impl live` (under `shoal run --live`), the job is not restarted: the survivors go on, and a
+worker the launcher starts in the lost one's place (`--max-restarts`) joins them.
 
 It checkpoints every `--every` steps, resumes from the newest checkpoint, and prints wall-clock
 times: `death T` just before rank 1 SIGKILLs itself at `--kill-at` in the first attempt, and
-`step N T` after every step, so the driver can measure death-to-first-step.
+`step N T` after every step, so the driver can measure death-to-first-step; a joiner prints `ready T`
+once it has imported and built everything, just before it asks to join.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--min-workers", type=int, default=1, help="--impl live: wait for joiners below this")
     parser.add_argument("--kill-at", type=int, default=25)
     args = parser.parse_args()
     if args.impl != "live" and args.dir is None:
@@ -102,9 +105,12 @@ def live(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
     sampler = ElasticSampler(data, 32, rank=rank, world_size=world)
-    job = LiveTraining(net, torch.optim.SGD(net.parameters(), lr=0.01), sampler)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    if not _first_attempt():
+        print(f"ready {time.time():.6f}", flush=True)
+    job = LiveTraining(net, optimizer, sampler, min_workers=args.min_workers)
     for x, y in job.batches(torch.utils.data.DataLoader(data, batch_sampler=sampler)):
-        if job.steps == args.kill_at and rank == 1:
+        if job.steps == args.kill_at and rank == 1 and _first_attempt():
             print(f"death {time.time():.6f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         committed = job.steps
