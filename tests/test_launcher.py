@@ -33,6 +33,16 @@ def test_workers_get_torchrun_environment_and_prefixed_output() -> None:
                                f"MASTER_ADDR=127.0.0.1 MASTER_PORT="), line
     secrets = {line.split("SECRET=")[1].split()[0] for line in lines}
     assert len(secrets) == 1 and len(secrets.pop()) == 8  # one fresh secret, shared by the job
+    assert all("TORCHELASTIC_RUN_ID=none " in line for line in lines)  # torchrun's default id
+
+
+def test_torchruns_single_node_and_rendezvous_flags_are_taken() -> None:
+    result = _launch("--standalone", "--rdzv-backend", "c10d", "--rdzv_id", "job7", "--nproc-per-node", "2",
+                     str(SCRIPTS / "show_env.py"))
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("[rank")]
+    assert len(lines) == 2 and all("MASTER_ADDR=127.0.0.1 " in line and "TORCHELASTIC_RUN_ID=job7 " in line
+                                   for line in lines), lines
 
 
 def test_module_mode_passes_flags_through_to_the_module() -> None:
@@ -138,4 +148,6 @@ def test_bad_launcher_arguments_are_refused() -> None:
                                                "127.0.0.1:1", "x.py").stderr
     assert "elastic membership" in _launch("--nnodes", "1:4", "x.py").stderr
     assert "nothing to run" in _launch("--nproc-per-node", "2").stderr
+    assert "--standalone runs one node" in _launch("--standalone", "--nnodes", "2", "x.py").stderr
+    assert "invalid choice: 'etcd'" in _launch("--rdzv-backend", "etcd", "x.py").stderr
     assert "one node for now" in _launch("--live", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "x.py").stderr

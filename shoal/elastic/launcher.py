@@ -50,6 +50,8 @@ class LaunchConfig:
     """Where node 0's launcher serves the rendezvous store."""
     master_port: int | None = None
     """Its port; None picks a free one (single node only)."""
+    run_id: str = "none"
+    """The job's id (--rdzv-id), passed to the workers as TORCHELASTIC_RUN_ID."""
     max_restarts: int = 0
     """How many times to restart all workers after a failure; with `live`, lost workers, one at a time."""
     live: bool = False
@@ -181,7 +183,8 @@ class Launcher:
         store = Store.connect(cfg.master_addr, port, world_size=world, is_server=True) if cfg.node_rank == 0 else None
         base = dict(os.environ, MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(cfg.nproc_per_node), SHOAL_RESTART_COUNT=str(attempt),
-                    TORCHELASTIC_USE_AGENT_STORE="True", SHOAL_LIVE="1" if cfg.live else "0")
+                    TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID=cfg.run_id,
+                    SHOAL_LIVE="1" if cfg.live else "0")
         if self.secret:
             base["SHOAL_SECRET"] = self.secret
         self._workers = []
@@ -274,7 +277,8 @@ class Launcher:
 
 
 def parse_args(argv: list[str]) -> LaunchConfig:
-    """torchrun's flags, in both spellings (--nproc-per-node and --nproc_per_node)."""
+    """torchrun's flags, in both spellings (--nproc-per-node and --nproc_per_node). Both rendezvous
+    backends torchrun names for a fixed node count mean the same here: the store node 0's launcher serves."""
     parser = argparse.ArgumentParser(prog="shoal run", description="Start one worker per local rank.")
 
     def flag(name: str, **kwargs) -> None:
@@ -284,6 +288,10 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     flag("nnodes", type=str, default="1", help="N (static); MIN:MAX is accepted only when MIN == MAX")
     flag("node-rank", type=int, default=0)
     flag("rdzv-endpoint", type=str, default=None, help="host:port of the store that node 0's launcher serves")
+    flag("rdzv-backend", choices=["static", "c10d"], default="static",
+         help="either way, the store that node 0's launcher serves")
+    flag("rdzv-id", type=str, default="none", help="the job's id, given to the workers as TORCHELASTIC_RUN_ID")
+    parser.add_argument("--standalone", action="store_true", help="one node, its store on a free local port")
     flag("master-addr", type=str, default=None)
     flag("master-port", type=int, default=None)
     flag("max-restarts", type=int, default=0)
@@ -298,6 +306,9 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     low, _, high = args.nnodes.partition(":")
     if high and high != low:
         parser.error(f"--nnodes {args.nnodes}: elastic membership is not supported; give a fixed node count")
+    if args.standalone and (args.nnodes != "1" or args.rdzv_endpoint or args.master_addr or args.master_port):
+        parser.error("--standalone runs one node with its store on a free local port: it takes no --nnodes, "
+                     "--rdzv-endpoint, --master-addr or --master-port")
     host, port = args.master_addr or "127.0.0.1", args.master_port
     if args.rdzv_endpoint:
         host, _, port_text = args.rdzv_endpoint.rpartition(":")
@@ -307,8 +318,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     command = ([*(["-m"] if args.module else []), args.script, *args.args]) if args.script else []
     try:
         return LaunchConfig(nproc_per_node=args.nproc_per_node, nnodes=int(low), node_rank=args.node_rank,
-                            master_addr=host, master_port=port, max_restarts=args.max_restarts, live=args.live,
-                            command=command)
+                            master_addr=host, master_port=port, run_id=args.rdzv_id, max_restarts=args.max_restarts,
+                            live=args.live, command=command)
     except ValueError as exc:
         parser.error(str(exc))
 
