@@ -153,8 +153,8 @@ def train_live(epochs: int, batch_size: int, lr: float, min_workers: int = 1, se
         if live.group.rank == 0:
             print(f"epoch {epoch + 1}: test accuracy {test_accuracy:.1%}, {live.generation.size} workers "
                   f"(generation {live.generation.number}) ({time.perf_counter() - started:.1f}s)", flush=True)
-    # From the ledger of committed steps, which every member keeps alike from when it joined: rank 0
-    # is always a worker that was there before any other joined.
+    # From the ledger of committed steps, which every member keeps alike from when it joined: rank 0 is
+    # the longest-standing member (a launched worker, unless all of them were lost).
     if live.group.rank == 0:
         print(f"samples trained: {int(counts.sum())} over {epochs} epochs; missed {int((counts < epochs).sum())}, "
               f"trained more than once per epoch {int((counts > epochs).sum())}", flush=True)

@@ -16,6 +16,7 @@ import torch.distributed as tdist
 
 from shoal.comm.reduce_op import ReduceOp
 from shoal.comm.store import Store
+from shoal.elastic import membership as membership_module
 from shoal.elastic.membership import EvictedError, Generation, JobFinished, Membership
 from shoal.errors import GroupBrokenError, PeerFailure
 from tests.ranks import run_ranks
@@ -134,3 +135,15 @@ def test_a_worker_waiting_to_join_a_job_that_finished_ends_with_status_0() -> No
     with pytest.raises(JobFinished) as finished:
         late.join()
     assert finished.value.code == 0
+
+
+def test_a_joiner_that_gives_up_waiting_withdraws_and_is_not_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(membership_module, "_JOIN_WAIT", timedelta(0))
+    store = Store(tdist.HashStore())
+    member = Membership(store, "worker0", host="127.0.0.1", timeout=timedelta(seconds=10))
+    first = member.first(0, 1)
+    impatient = Membership(store, "impatient", host="127.0.0.1", timeout=timedelta(seconds=0.2))
+    with pytest.raises(TimeoutError, match="its request is withdrawn"):
+        impatient.join()
+    assert member.joiners_waiting(first)  # its slot stays taken, so the members still look at it
+    assert member.next(first, _Judging(set())) == Generation(1, ("worker0",), joined=1)

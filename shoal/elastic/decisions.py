@@ -5,8 +5,9 @@ Every member whose gradients were all averaged marks the step. "commit" needs ev
 the member that completes the count proposes it, and so does a member that finds a member lost once
 the count is complete (the one that completed it may have died before proposing). "discard" is
 proposed by a member whose step failed, or that finds a member lost before the count is complete.
-A member proposing commit proposes "grow" instead when workers wait to join: the step commits, then
-the members admit them. The first proposal stored wins (compare-and-set), so members never disagree.
+A member proposing commit proposes "grow" instead when it finds workers waiting to join (it looks at
+most every so often): the step commits, then the members admit them. The first proposal stored wins
+(compare-and-set), so members never disagree.
 """
 
 from __future__ import annotations

@@ -30,4 +30,5 @@ def share_state(group: ProcessGroup, state: dict[str, Any] | None) -> dict[str, 
     group.broadcast(payload, root).wait()
     if group.rank == 0:
         return state
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+    # On the CPU: load_state_dict moves optimizer state to its parameters' device, wherever rank 0's was.
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)

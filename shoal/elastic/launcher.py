@@ -53,7 +53,7 @@ class LaunchConfig:
     run_id: str = "none"
     """The job's id (--rdzv-id), passed to the workers as TORCHELASTIC_RUN_ID."""
     max_restarts: int = 0
-    """How many times to restart all workers after a failure; with `live`, lost workers, one at a time."""
+    """How many times to restart all workers after a failure; with `live`, how many lost workers to replace."""
     live: bool = False
     """Keep the other workers running when one fails (live recovery, shoal.elastic.live)."""
     command: list[str] = field(default_factory=list)

@@ -52,14 +52,15 @@ _JOIN_POLL_S = 0.2  # how often a step's decision looks for joiners: a store rou
 class LiveTraining:
     """One worker's part in a job with live recovery; `model` is the DDP replica to train. `extra`: other
     objects with state_dict/load_state_dict (a learning-rate scheduler) that a joiner takes from the
-    others with the optimizer's state. With fewer than `min_workers` members, the members wait (up to
-    `timeout`) for workers to join before they go on."""
+    others with the optimizer's state. With fewer than `min_workers` members, the members wait for
+    workers to join before they go on (TimeoutError if none asks to within `timeout`)."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler, *,
                  extra: Mapping[str, Any] | None = None, min_workers: int = 1,
                  timeout: timedelta = timedelta(seconds=60), **ddp_options: Any) -> None:
-        if min_workers < 1:
-            raise ValueError(f"min_workers must be at least 1, got {min_workers}")
+        if not 1 <= min_workers <= int(os.environ.get("WORLD_SIZE", min_workers)):
+            raise ValueError(f"min_workers must be between 1 and the launched world size "
+                             f"({os.environ.get('WORLD_SIZE')}), got {min_workers}")
         if os.environ.get("SHOAL_LIVE") != "1" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             raise RuntimeError("live recovery needs a launcher that serves the store and keeps the other workers "
                                "running when one is lost: run the script under `shoal run --live`")
@@ -76,6 +77,7 @@ class LiveTraining:
         """Steps committed: what a learning-rate schedule should follow."""
         self._decisions = StepDecisions(self._store.scoped("steps/"), timeout)
         self._regrouped = False
+        self._joiners_to_admit = False  # the last step's decision was GROW: admit them before the next step
         self._looked_for_joiners = time.monotonic()
         self._module, self._ddp_options = module, ddp_options
         self.model: DistributedDataParallel | None = None
@@ -100,14 +102,17 @@ class LiveTraining:
     def batches(self, loader: Iterable) -> Iterator[Any]:
         """The loader's batches to the end of the epoch; after a change of generation, from the
         committed offset on, with the new members' shares. (A plain loop over the loader would end
-        at the first change of generation.)"""
+        at the first change of generation.) Joiners are admitted here, after the script's code that
+        follows a committed step (a scheduler's step) has run, so they receive the state it left."""
         while True:
             self._regrouped = False
             for batch in loader:
                 yield batch
+                self._admit_joiners()
                 if self._regrouped:
                     break
             else:
+                self._admit_joiners()
                 return
 
     @contextmanager
@@ -130,8 +135,7 @@ class LiveTraining:
                 self.optimizer.step()
                 self.sampler.commit()
                 self.steps += 1
-                if decision == GROW:
-                    self._regroup(None)
+                self._joiners_to_admit = decision == GROW
         finally:
             self.optimizer.zero_grad()
 
@@ -149,6 +153,11 @@ class LiveTraining:
             return False
         self._looked_for_joiners = now
         return self.membership.joiners_waiting(self.generation)
+
+    def _admit_joiners(self) -> None:
+        if self._joiners_to_admit:
+            self._joiners_to_admit = False
+            self._regroup(None)
 
     def _regroup(self, loss: BaseException | None, *, advance: bool = True) -> None:
         """On to the next generation, after `loss` (None: to admit joiners), or (`advance` False) into

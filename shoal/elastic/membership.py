@@ -24,6 +24,9 @@ from shoal.backoff import attempts
 from shoal.comm.native import ShoalProcessGroup
 from shoal.comm.store import Store
 
+_JOIN_WAIT = timedelta(minutes=10)  # how long a joiner waits to be admitted: between steps may be long (evaluation)
+_WITHDRAWN = "withdrawn"
+
 
 class EvictedError(RuntimeError):
     """This worker is not a member of the generation the others agreed on (they judged it lost)."""
@@ -73,17 +76,20 @@ class Membership:
 
     def join(self) -> Generation:
         """Ask to join, and wait until a generation admits this worker (the members look at their next
-        step boundary); JobFinished if the job ends first."""
+        step boundary); JobFinished if the job ends first. After `_JOIN_WAIT` (or the timeout, if
+        longer) the request is withdrawn and TimeoutError raised."""
         slot = next(k for k in itertools.count(1) if self._store.compare_set(f"joins/{k}", self.me) == self.me)
-        deadline = time.monotonic() + self._timeout.total_seconds()
-        for _ in attempts(deadline, first=0.005, limit=0.1, factor=1.5):
+        patience = max(self._timeout, _JOIN_WAIT).total_seconds()
+        for _ in attempts(time.monotonic() + patience, first=0.005, limit=0.1, factor=1.5):
             if self._store.has(f"joins/{slot}/generation"):
-                number = int(self._store.get(f"joins/{slot}/generation", timeout=self._timeout))
-                return self._agreed(number)
+                break
             if self._store.has("finished"):
                 raise JobFinished
-        raise TimeoutError(f"{self.me}: no generation admitted this worker within {self._timeout.total_seconds():g}s "
-                           f"(the members admit joiners between steps)")
+        number = self._store.compare_set(f"joins/{slot}/generation", _WITHDRAWN)
+        if number == _WITHDRAWN:
+            raise TimeoutError(f"{self.me}: no generation admitted this worker within {patience:g}s (the members "
+                               f"admit joiners between steps); its request is withdrawn")
+        return self._agreed(int(number))
 
     def joiners_waiting(self, generation: Generation) -> bool:
         """Whether a worker has asked to join since `generation` was agreed."""
@@ -115,15 +121,15 @@ class Membership:
             group.shutdown()
             raise TimeoutError(f"generation {number}: members {undecided} neither joined it nor were found lost "
                                f"within {self._timeout.total_seconds():g}s")
-        joiners = []
-        while self._store.has(f"joins/{current.joined + len(joiners) + 1}"):
-            joiners.append(self._store.get(f"joins/{current.joined + len(joiners) + 1}", timeout=self._timeout))
+        slots = list(itertools.takewhile(lambda k: self._store.has(f"joins/{k}"), itertools.count(current.joined + 1)))
+        joiners = [self._store.get(f"joins/{k}", timeout=self._timeout) for k in slots
+                   if not self._store.has(f"joins/{k}/generation")]  # withdrawn: it gave up waiting
         survivors = [m for m in current.members if m in registered]
         self._store.compare_set(f"{number}/members", {"members": survivors + joiners,
-                                                     "joined": current.joined + len(joiners)})
+                                                     "joined": current.joined + len(slots)})
         generation = self._agreed(number)
         for slot in range(current.joined + 1, generation.joined + 1):
-            self._store.set(f"joins/{slot}/generation", number)
+            self._store.compare_set(f"joins/{slot}/generation", number)
         group.shutdown()
         if self.me not in generation.members:
             raise EvictedError(f"{self.me}: generation {number} was agreed without this worker "

@@ -8,6 +8,7 @@ import argparse
 import hashlib
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -19,6 +20,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--kill", action="append", default=[], help="RANK:STEP")
 parser.add_argument("--epochs", type=int, default=1)
 parser.add_argument("--min-workers", type=int, default=1)
+parser.add_argument("--await-joiner", action="store_true",
+                    help="short-handed members pause between steps until a worker asks to join")
 args = parser.parse_args()
 kills = {tuple(map(int, k.split(":"))) for k in args.kill}
 rank = int(os.environ["RANK"])
@@ -53,6 +56,13 @@ trained: list[tuple[int, int]] = []
 for epoch in live.epochs(args.epochs):
     order = sampler.order()
     for inputs, labels in live.batches(torch.utils.data.DataLoader(data, batch_sampler=sampler)):
+        if live.generation.number != reported:
+            reported = report()
+        if args.await_joiner and live.generation.size < int(os.environ["WORLD_SIZE"]):
+            deadline = time.monotonic() + 60
+            while not live.membership.joiners_waiting(live.generation) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.25)  # longer than LiveTraining's 0.2 s between looks for joiners: the next decision looks
         if first_life and (rank, live.steps) in kills:
             os.kill(os.getpid(), signal.SIGKILL)
         start = sampler.offset
@@ -62,8 +72,6 @@ for epoch in live.epochs(args.epochs):
         if live.steps > committed:
             scheduler.step()
         trained += [(epoch, i) for i in order[start:sampler.offset]]  # what the step committed, every member's share
-        if live.generation.number != reported:
-            reported = report()
 once = len(set(trained))
 print(f"samples {once} missing {args.epochs * len(data) - once} twice {len(trained) - once} "
       f"generation {live.generation.number} of {live.generation.size} steps {live.steps} state {digest()}")
