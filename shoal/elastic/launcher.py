@@ -80,7 +80,7 @@ class LaunchConfig:
 
 class _Worker:
     def __init__(self, rank: int, env: dict[str, str], command: list[str], changed: threading.Condition) -> None:
-        self.rank, self.env, self.command = rank, env, command
+        self.rank, self.env = rank, env
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         # Its own session: signals reach the worker and whatever it starts through its process group,
         # sent by the launcher, and a terminal's Ctrl-C does not hit workers before the launcher decides.
@@ -143,7 +143,6 @@ class Launcher:
         self.secret = os.environ.get("SHOAL_SECRET") or (secrets.token_hex(32) if config.nnodes == 1 else "")
         self._workers: list[_Worker] = []
         self._replaced: list[_Worker] = []  # lost workers that new ones took the place of (--live)
-        self._left_behind: set[_Worker] = set()  # workers this launcher killed because the others went on (--live)
         self._stopping = threading.Event()
         # Reentrant: the signal handler notifies it from the main thread, which may hold it already.
         self._changed = threading.Condition(threading.RLock())
@@ -233,14 +232,13 @@ class Launcher:
                 reported.add(worker)
                 print(f"shoal run: rank {worker.rank} was lost (signal {-worker.proc.returncode}); the others go on "
                       f"without it (--live)", file=sys.stderr)
-                if len(self._replaced) < self.config.max_restarts and not finished and worker not in self._left_behind:
+                if len(self._replaced) < self.config.max_restarts and not finished:  # the job is not ending
                     self._restart(worker)
         failed = [w for w in failed if w in self._workers]
         if finished and running and time.monotonic() - min(finished) > _LIVE_STRAGGLER_S:
             for worker in running:
                 print(f"shoal run: rank {worker.rank} is still running {_LIVE_STRAGGLER_S:g}s after the others "
                       f"finished: the others left it behind as lost; stopping it", file=sys.stderr)
-                self._left_behind.add(worker)
                 worker.signal(signal.SIGKILL)
         errors = [w for w in failed if w.proc.returncode > 0]
         return errors or (failed if len(failed) == len(self._workers) else [])
@@ -251,7 +249,7 @@ class Launcher:
         print(f"shoal run: starting a new rank {lost.rank} to join them (restart {len(self._replaced)} of "
               f"{self.config.max_restarts})", file=sys.stderr)
         env = dict(lost.env, SHOAL_RESTART_COUNT=str(len(self._replaced)))
-        self._workers[self._workers.index(lost)] = _Worker(lost.rank, env, lost.command, self._changed)
+        self._workers[self._workers.index(lost)] = _Worker(lost.rank, env, self.config.command, self._changed)
 
     def _stop_all(self) -> None:
         alive = [w for w in self._workers if w.proc.poll() is None]
