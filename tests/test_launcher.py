@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from shoal.elastic.launcher import parse_args
 from shoal.ports import free_port
 from tests.ranks import wait_gone
 
@@ -143,11 +144,18 @@ def test_a_taken_store_port_is_reported_without_a_traceback() -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_bad_launcher_arguments_are_refused() -> None:
-    assert "node-rank 2 is outside" in _launch("--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint",
-                                               "127.0.0.1:1", "x.py").stderr
-    assert "elastic membership" in _launch("--nnodes", "1:4", "x.py").stderr
-    assert "nothing to run" in _launch("--nproc-per-node", "2").stderr
-    assert "--standalone runs one node" in _launch("--standalone", "--nnodes", "2", "x.py").stderr
-    assert "invalid choice: 'etcd'" in _launch("--rdzv-backend", "etcd", "x.py").stderr
-    assert "one node for now" in _launch("--live", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "x.py").stderr
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1", "x.py"], "node-rank 2 is outside"),
+    (["--nnodes", "1:4", "x.py"], "give every node the same --rdzv-endpoint"),
+    (["--nnodes", "3:2", "--rdzv-endpoint", "127.0.0.1:1", "x.py"], "between 1 and MAX"),
+    (["--nnodes", "one", "x.py"], "must be N or MIN:MAX"),
+    (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "read_timeout=3", "x.py"], "known keys are"),
+    (["--nproc-per-node", "2"], "nothing to run"),
+    (["--standalone", "--nnodes", "2", "x.py"], "--standalone runs one node"),
+    (["--rdzv-backend", "etcd", "x.py"], "invalid choice: 'etcd'"),
+    (["--max-restarts", "1", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "x.py"], "restart together"),
+])
+def test_bad_launcher_arguments_are_refused(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(args)
+    assert exited.value.code == 2 and message in capsys.readouterr().err

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from torch import nn
 from shoal.comm.store import Store
 from shoal.data import ElasticSampler
 from shoal.elastic.live import LiveTraining
+from shoal.ports import free_port
 from tests.ranks import run_ranks
 
 SAMPLES, BATCH, SEED = 61, 2, 1
@@ -186,3 +188,40 @@ def test_the_demo_with_live_recovery_keeps_going_after_a_kill_and_the_lost_worke
     assert last is not None, result.stdout
     assert float(last[1]) >= 95 and int(last[2]) >= 2  # lost, then joined
     assert "samples trained: 14370 over 10 epochs; missed 0, trained more than once per epoch 0" in result.stdout
+
+
+def test_a_node_that_arrives_later_joins_the_job_and_a_lost_node_is_dropped(tmp_path: Path) -> None:
+    """Elastic nodes (`--nnodes 2:3`, one worker each): two form the job, a third arrives later and its
+    worker joins it live; then that node's launcher is killed (its worker dies with it), and the first
+    two finish without it, every sample trained once."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    script = [str(Path(__file__).parent / "scripts" / "live_train.py"), "--epochs", "2"]
+
+    def node(name: str, *args: str) -> tuple[subprocess.Popen, Path]:
+        out = tmp_path / f"{name}.out"
+        command = [sys.executable, "-m", "shoal.run", "--nnodes", "2:3", "--nproc-per-node", "1", "--live",
+                   "--rdzv-endpoint", endpoint, "--rdzv-id", "grow", *script, *args]
+        with out.open("w") as sink:
+            return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ, **QUIET)), out
+
+    # The first two wait between steps, while short of three workers, until the third asks to join.
+    nodes = [node(name, "--await-joiner", "--full-size", "3") for name in ("a", "b")]
+    try:
+        deadline = time.monotonic() + 90
+        while not any("generation 0 of 2 step 0" in out.read_text() for _, out in nodes):  # the job has formed
+            assert time.monotonic() < deadline and all(proc.poll() is None for proc, _ in nodes)
+            time.sleep(0.1)
+        nodes.append(node("c", "--kill-launcher", "2:10"))  # slot 2: the node's only worker has launch rank 2
+        codes = [proc.wait(timeout=150) for proc, _ in nodes]
+    finally:
+        for proc, _ in nodes:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    outputs = [out.read_text() for _, out in nodes]
+    assert codes == [0, 0, -signal.SIGKILL], outputs
+    reports, finals = _states("\n".join(outputs))
+    _assert_alike(reports, finals)
+    assert sorted(entries[0][1].split()[:2] for entries in reports.values()) == [["2", "0"], ["2", "10"], ["3", "1"]]
+    assert sorted(finals) == ["[rank0]", "[rank1]"]
+    assert all(text.startswith("samples 122 missing 0 twice 0 ") for text in finals.values()), finals

@@ -3,16 +3,21 @@ rank with torchrun's environment, prefix their output with the rank, and stop th
 
     shoal run --nproc-per-node 2 train.py --epochs 3
     shoal run --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29500 --nproc-per-node 4 -m my.module
+    shoal run --nnodes 1:4 --rdzv-endpoint host0:29500 --nproc-per-node 4 --live train.py  # elastic
 
 The launcher of node 0 serves the job's rendezvous store, so the store outlives any worker; it tells
 the workers so with TORCHELASTIC_USE_AGENT_STORE=True, as torchrun does (torch.distributed's own
-env:// rendezvous then joins it too). When a worker fails, the others are stopped and the failure is
-reported (rank, exit code, the tail of its output); with `--max-restarts K` all workers are restarted
-instead, up to K times, each attempt with a fresh store (on a fresh port unless one was given) so that
-no attempt reads keys another one left behind. With `--live`, a worker killed by a signal is lost
+env:// rendezvous then joins it too). With `--nnodes MIN:MAX`, the first launcher on the endpoint's
+machine serves it, and the nodes agree on their ranks in it (nodes.py).
+
+When a worker fails, the others are stopped and the failure is reported (rank, exit code, the tail
+of its output); with `--max-restarts K` all workers are restarted instead, up to K times, each
+attempt with a fresh store (on a fresh port unless one was given) so that no attempt reads keys
+another one left behind. With `--live`, a worker killed by a signal is lost
 instead: the others go on without it (shoal.elastic.live), and with `--max-restarts K` the launcher
-starts a new worker in its place, up to K times in the job, which joins them. With several nodes, the
-store lives as long as node 0's launcher.
+starts a new worker in its place, up to K times in the job, which joins them; a node that arrives
+after the job formed has its workers join it. With several nodes, the launcher serving the store
+keeps it up until every node's workers have ended.
 """
 
 from __future__ import annotations
@@ -23,13 +28,16 @@ import functools
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from shoal.comm.store import Store
+from shoal.elastic.nodes import Nodes, Placement
 from shoal.orphans import die_with_parent
 from shoal.ports import free_port
 
@@ -43,15 +51,21 @@ class LaunchConfig:
     nproc_per_node: int = 1
     """Worker processes on this node."""
     nnodes: int = 1
-    """Nodes in the job (static membership)."""
+    """Nodes in the job; with `max_nodes`, the fewest it runs with."""
+    max_nodes: int | None = None
+    """With `--nnodes MIN:MAX`, the most nodes in the job at once; None: exactly `nnodes`."""
     node_rank: int = 0
-    """This node's index, 0..nnodes-1."""
+    """This node's index, 0..nnodes-1 (a fixed node count; with MIN:MAX the nodes agree on theirs)."""
     master_addr: str = "127.0.0.1"
     """Where node 0's launcher serves the rendezvous store."""
     master_port: int | None = None
     """Its port; None picks a free one (single node only)."""
     run_id: str = "none"
     """The job's id (--rdzv-id), passed to the workers as TORCHELASTIC_RUN_ID."""
+    join_timeout: timedelta = timedelta(seconds=600)
+    """With several nodes, how long a node waits for the job's fewest nodes, or for room among its most."""
+    last_call: timedelta = timedelta(seconds=5)
+    """With MIN:MAX, how long after MIN nodes have arrived the job waits for more before it forms."""
     max_restarts: int = 0
     """How many times to restart all workers after a failure; with `live`, how many lost workers to replace."""
     live: bool = False
@@ -60,22 +74,27 @@ class LaunchConfig:
     """What each worker runs, after the Python interpreter: a script and its args, or -m module args."""
 
     def __post_init__(self) -> None:
-        if self.nproc_per_node < 1 or self.nnodes < 1:
-            raise ValueError(f"--nproc-per-node ({self.nproc_per_node}) and --nnodes ({self.nnodes}) must be >= 1")
-        if not 0 <= self.node_rank < self.nnodes:
+        if self.max_nodes is None:
+            self.max_nodes = self.nnodes
+        if self.nproc_per_node < 1 or not 1 <= self.nnodes <= self.max_nodes:
+            raise ValueError(f"--nproc-per-node ({self.nproc_per_node}) must be >= 1 and --nnodes "
+                             f"({self.nnodes}:{self.max_nodes}) between 1 and MAX")
+        if self.fixed_nodes and not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
-        if self.nnodes > 1 and self.master_port is None:
-            raise ValueError("with --nnodes > 1, give every node the same --rdzv-endpoint host:port")
-        if self.nnodes > 1 and self.max_restarts:
-            raise ValueError("--max-restarts needs every node to restart together; with static multi-node "
-                             "membership run it with --nnodes 1 per job, or restart the whole job")
-        if self.live and self.nnodes > 1:
-            raise ValueError("--live runs on one node for now: node 0's launcher would close the store when its "
-                             "own workers end")
+        if self.max_nodes > 1 and self.master_port is None:
+            raise ValueError("with several nodes, give every node the same --rdzv-endpoint host:port")
+        if self.max_nodes > 1 and self.max_restarts and not self.live:
+            raise ValueError("--max-restarts without --live needs every node to restart together; run it with "
+                             "--nnodes 1 per job, restart the whole job, or use --live (lost workers are replaced)")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if not self.command:
             raise ValueError("nothing to run: give a script (and its arguments) or -m module")
+
+    @property
+    def fixed_nodes(self) -> bool:
+        """The node count is fixed (`--nnodes N`): each node's rank is its --node-rank."""
+        return self.nnodes == self.max_nodes
 
 
 class _Worker:
@@ -132,6 +151,16 @@ class _Worker:
             pass  # our stdout is gone (| head): keep draining the worker so it never blocks on output
 
 
+def _is_this_machine(host: str) -> bool:
+    """Whether `host` names an address of this machine (a socket can be bound to it)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
 def _line_end(data: bytes) -> int:
     ends = [i for i in (data.find(b"\n"), data.find(b"\r")) if i >= 0]
     return min(ends) if ends else -1
@@ -140,7 +169,7 @@ def _line_end(data: bytes) -> int:
 class Launcher:
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
-        self.secret = os.environ.get("SHOAL_SECRET") or (secrets.token_hex(32) if config.nnodes == 1 else "")
+        self.secret = os.environ.get("SHOAL_SECRET") or (secrets.token_hex(32) if config.max_nodes == 1 else "")
         self._workers: list[_Worker] = []
         self._replaced: list[_Worker] = []  # lost workers that new ones took the place of (--live)
         self._stopping = threading.Event()
@@ -155,7 +184,9 @@ class Launcher:
             for attempt in range(attempts):
                 try:
                     failed = self._attempt(attempt)
-                except OSError as exc:  # the store's port is taken, or a worker could not start
+                except (OSError, RuntimeError) as exc:  # no store, a worker could not start, no place among the nodes
+                    if self._stopping.is_set():
+                        return 128 + signal.SIGTERM
                     print(f"shoal run: {exc}", file=sys.stderr)
                     return 1
                 if failed is None:
@@ -177,25 +208,60 @@ class Launcher:
     def _attempt(self, attempt: int) -> tuple[_Worker, int] | None:
         cfg = self.config
         port = cfg.master_port if cfg.master_port is not None else free_port(cfg.master_addr)
-        world = cfg.nnodes * cfg.nproc_per_node
-        # Held for the attempt: dropped (and so closed) when it ends.
-        store = Store.connect(cfg.master_addr, port, world_size=world, is_server=True) if cfg.node_rank == 0 else None
-        base = dict(os.environ, MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                    LOCAL_WORLD_SIZE=str(cfg.nproc_per_node), SHOAL_RESTART_COUNT=str(attempt),
-                    TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID=cfg.run_id,
-                    SHOAL_LIVE="1" if cfg.live else "0")
+        store, serving = self._open_store(port)  # held for the attempt: dropped (and so closed) when it ends
+        nodes, placement = None, Placement(cfg.node_rank, cfg.nnodes * cfg.nproc_per_node, late=False)
+        if cfg.max_nodes > 1:
+            nodes = Nodes(store.scoped(f"shoal-run/{cfg.run_id}/nodes/"), f"{socket.gethostname()}:{os.getpid()}",
+                          nproc_per_node=cfg.nproc_per_node, min_nodes=cfg.nnodes, max_nodes=cfg.max_nodes,
+                          stopping=self._stopping)
+            placement = nodes.place(cfg.node_rank if cfg.fixed_nodes else None, join_timeout=cfg.join_timeout,
+                                    last_call=cfg.last_call, take_late=cfg.live)
+            nodes.keep_alive(self._connect(port, cfg.join_timeout).scoped(f"shoal-run/{cfg.run_id}/nodes/"),
+                             watch=serving)
+        base = dict(os.environ, MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port),
+                    WORLD_SIZE=str(placement.world_size), LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
+                    SHOAL_RESTART_COUNT=str(attempt), TORCHELASTIC_USE_AGENT_STORE="True",
+                    TORCHELASTIC_RUN_ID=cfg.run_id, SHOAL_LIVE="1" if cfg.live else "0")
         if self.secret:
             base["SHOAL_SECRET"] = self.secret
+        if placement.late:
+            base["SHOAL_JOINING"] = "1"  # its workers join the running job (shoal.elastic.live)
+        if not cfg.fixed_nodes:
+            base["SHOAL_MIN_WORKERS"] = str(cfg.nnodes * cfg.nproc_per_node)  # below MIN nodes, live training waits
         self._workers = []
         for local in range(cfg.nproc_per_node):
-            rank = cfg.node_rank * cfg.nproc_per_node + local
+            rank = placement.node_rank * cfg.nproc_per_node + local
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(local))
             self._workers.append(_Worker(rank, env, cfg.command, self._changed))
+        failed: tuple[_Worker, int] | None = (self._workers[0], 128 + signal.SIGTERM)
         try:
-            return self._watch()
+            failed = self._watch()
+            return failed
         finally:
             self._stop_all()
+            if nodes is not None:
+                nodes.end(0 if failed is None else failed[1])
+                if serving:
+                    nodes.await_others()
             del store
+
+    def _open_store(self, port: int) -> tuple[Store, bool]:
+        """The job's store, and whether this launcher serves it: node 0 with a fixed node count; with
+        MIN:MAX, the first launcher on the endpoint's machine (torchrun's c10d rendezvous does the same)."""
+        cfg = self.config
+        if cfg.node_rank == 0 if cfg.fixed_nodes else _is_this_machine(cfg.master_addr):
+            try:
+                return Store.connect(cfg.master_addr, port, world_size=cfg.nnodes * cfg.nproc_per_node,
+                                     is_server=True), True
+            except OSError:
+                if cfg.fixed_nodes:
+                    raise  # the port is someone else's
+        return self._connect(port, cfg.join_timeout), False
+
+    def _connect(self, port: int, timeout: timedelta) -> Store:
+        cfg = self.config
+        return Store.connect(cfg.master_addr, port, world_size=cfg.nnodes * cfg.nproc_per_node, is_server=False,
+                             timeout=timeout)
 
     def _watch(self) -> tuple[_Worker, int] | None:
         """Wait until every worker has exited 0 (None) or one has failed: then the worker that failed
@@ -276,19 +342,22 @@ class Launcher:
 
 def parse_args(argv: list[str]) -> LaunchConfig:
     """torchrun's flags, in both spellings (--nproc-per-node and --nproc_per_node). Both rendezvous
-    backends torchrun names for a fixed node count mean the same here: the store node 0's launcher serves."""
+    backends torchrun names mean the same here: the store that one node's launcher serves."""
     parser = argparse.ArgumentParser(prog="shoal run", description="Start one worker per local rank.")
 
     def flag(name: str, **kwargs) -> None:
         parser.add_argument(f"--{name}", f"--{name.replace('-', '_')}", dest=name.replace("-", "_"), **kwargs)
 
     flag("nproc-per-node", type=int, default=1)
-    flag("nnodes", type=str, default="1", help="N (static); MIN:MAX is accepted only when MIN == MAX")
+    flag("nnodes", type=str, default="1", help="N (a fixed node count), or MIN:MAX (elastic: nodes may join "
+         "and leave under --live)")
     flag("node-rank", type=int, default=0)
     flag("rdzv-endpoint", type=str, default=None, help="host:port of the store that node 0's launcher serves")
     flag("rdzv-backend", choices=["static", "c10d"], default="static",
-         help="either way, the store that node 0's launcher serves")
+         help="either way, the store that one node's launcher serves")
     flag("rdzv-id", type=str, default="none", help="the job's id, given to the workers as TORCHELASTIC_RUN_ID")
+    flag("rdzv-conf", type=str, default="",
+         help="with several nodes: join_timeout=SECONDS (600),last_call_timeout=SECONDS (5)")
     parser.add_argument("--standalone", action="store_true", help="one node, its store on a free local port")
     flag("master-addr", type=str, default=None)
     flag("master-port", type=int, default=None)
@@ -302,8 +371,9 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     args = parser.parse_args(argv)
 
     low, _, high = args.nnodes.partition(":")
-    if high and high != low:
-        parser.error(f"--nnodes {args.nnodes}: elastic membership is not supported; give a fixed node count")
+    if not low.isdigit() or not (high or low).isdigit():
+        parser.error(f"--nnodes {args.nnodes!r} must be N or MIN:MAX")
+    conf = _rendezvous_conf(args.rdzv_conf, parser)
     if args.standalone and (args.nnodes != "1" or args.rdzv_endpoint or args.master_addr or args.master_port):
         parser.error("--standalone runs one node with its store on a free local port: it takes no --nnodes, "
                      "--rdzv-endpoint, --master-addr or --master-port")
@@ -315,11 +385,26 @@ def parse_args(argv: list[str]) -> LaunchConfig:
         port = int(port_text)
     command = ([*(["-m"] if args.module else []), args.script, *args.args]) if args.script else []
     try:
-        return LaunchConfig(nproc_per_node=args.nproc_per_node, nnodes=int(low), node_rank=args.node_rank,
-                            master_addr=host, master_port=port, run_id=args.rdzv_id, max_restarts=args.max_restarts,
-                            live=args.live, command=command)
+        return LaunchConfig(nproc_per_node=args.nproc_per_node, nnodes=int(low), max_nodes=int(high or low),
+                            node_rank=args.node_rank, master_addr=host, master_port=port, run_id=args.rdzv_id,
+                            max_restarts=args.max_restarts, live=args.live, command=command, **conf)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def _rendezvous_conf(text: str, parser: argparse.ArgumentParser) -> dict[str, timedelta]:
+    """torchrun's --rdzv-conf key=value,...: the two waits this launcher has."""
+    names = {"join_timeout": "join_timeout", "last_call_timeout": "last_call"}
+    conf = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in names:
+            parser.error(f"--rdzv-conf {key!r}: known keys are {sorted(names)}")
+        try:
+            conf[names[key]] = timedelta(seconds=float(value))
+        except ValueError:
+            parser.error(f"--rdzv-conf {item!r}: the value must be seconds")
+    return conf
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -53,11 +53,14 @@ class LiveTraining:
     """One worker's part in a job with live recovery; `model` is the DDP replica to train. `extra`: other
     objects with state_dict/load_state_dict (a learning-rate scheduler) that a joiner takes from the
     others with the optimizer's state. With fewer than `min_workers` members, the members wait for
-    workers to join before they go on (TimeoutError if none asks to within `timeout`)."""
+    workers to join before they go on (TimeoutError if none asks to within `timeout`); by default, as
+    many as MIN nodes of `shoal run --nnodes MIN:MAX` start, else 1."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler, *,
-                 extra: Mapping[str, Any] | None = None, min_workers: int = 1,
+                 extra: Mapping[str, Any] | None = None, min_workers: int | None = None,
                  timeout: timedelta = timedelta(seconds=60), **ddp_options: Any) -> None:
+        if min_workers is None:
+            min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", 1))
         if not 1 <= min_workers <= int(os.environ.get("WORLD_SIZE", min_workers)):
             raise ValueError(f"min_workers must be between 1 and the launched world size "
                              f"({os.environ.get('WORLD_SIZE')}), got {min_workers}")
@@ -81,7 +84,10 @@ class LiveTraining:
         self._looked_for_joiners = time.monotonic()
         self._module, self._ddp_options = module, ddp_options
         self.model: DistributedDataParallel | None = None
-        first = self.membership.first(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        # A worker of a node that arrived after the job formed joins it; so does one whose launch rank is
+        # taken (its launcher started it in place of a lost one).
+        joining = os.environ.get("SHOAL_JOINING") == "1"
+        first = None if joining else self.membership.first(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
         self._holds_state = first is not None  # a joiner holds the training state once rank 0 has shared it
         try:
             self.generation = first if first is not None else self.membership.join()

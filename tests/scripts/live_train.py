@@ -1,6 +1,7 @@
 """Live recovery under `shoal run --live`: a small classifier trained for some epochs; each --kill
 RANK:STEP makes that rank SIGKILL itself before that step (in its first life only: a worker the
-launcher starts in its place joins and goes on). Whenever its generation changes, each worker prints
+launcher starts in its place joins and goes on); each --kill-launcher RANK:STEP makes it SIGKILL its
+launcher instead, which takes the worker with it (a lost node). Whenever its generation changes, each worker prints
 the step and a digest of its parameters, optimizer state and learning-rate schedule; each that
 finishes prints what its ledger of committed steps says."""
 
@@ -19,11 +20,15 @@ from shoal.elastic import LiveTraining
 parser = argparse.ArgumentParser()
 parser.add_argument("--kill", action="append", default=[], help="RANK:STEP")
 parser.add_argument("--epochs", type=int, default=1)
-parser.add_argument("--min-workers", type=int, default=1)
+parser.add_argument("--kill-launcher", action="append", default=[], help="RANK:STEP")
+parser.add_argument("--min-workers", type=int, default=None)
 parser.add_argument("--await-joiner", action="store_true",
-                    help="short-handed members pause between steps until a worker asks to join")
+                    help="short-handed members pause between steps until a worker asks to join, until one has")
+parser.add_argument("--full-size", type=int, default=None,
+                    help="with --await-joiner: the workers of a whole generation (WORLD_SIZE by default)")
 args = parser.parse_args()
 kills = {tuple(map(int, k.split(":"))) for k in args.kill}
+launcher_kills = {tuple(map(int, k.split(":"))) for k in args.kill_launcher}
 rank = int(os.environ["RANK"])
 first_life = os.environ.get("SHOAL_RESTART_COUNT", "0") == "0"
 
@@ -51,20 +56,25 @@ def report() -> int:
     return live.generation.number
 
 
-reported = report()
+reported, size = report(), live.generation.size
+full_size = args.full_size or int(os.environ["WORLD_SIZE"])
+grown = False  # a generation has admitted a joiner: --await-joiner waits no more
 trained: list[tuple[int, int]] = []
 for epoch in live.epochs(args.epochs):
     order = sampler.order()
     for inputs, labels in live.batches(torch.utils.data.DataLoader(data, batch_sampler=sampler)):
         if live.generation.number != reported:
-            reported = report()
-        if args.await_joiner and live.generation.size < int(os.environ["WORLD_SIZE"]):
+            reported, grown, size = report(), grown or live.generation.size > size, live.generation.size
+        if args.await_joiner and not grown and live.generation.size < full_size:
             deadline = time.monotonic() + 60
             while not live.membership.joiners_waiting(live.generation) and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(0.25)  # longer than LiveTraining's 0.2 s between looks for joiners: the next decision looks
         if first_life and (rank, live.steps) in kills:
             os.kill(os.getpid(), signal.SIGKILL)
+        if (rank, live.steps) in launcher_kills:
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(60)  # the kernel kills this worker with its launcher (shoal.orphans)
         start = sampler.offset
         committed = live.steps
         with live.step():
