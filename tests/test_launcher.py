@@ -146,7 +146,11 @@ def test_a_taken_store_port_is_reported_without_a_traceback() -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1", "x.py"], "node-rank 2 is outside"),
-    (["--nnodes", "1:4", "x.py"], "give every node the same --rdzv-endpoint"),
+    (["--nnodes", "2", "x.py"], "give every node the same --rdzv-endpoint"),
+    (["--nnodes", "1:4", "x.py"], "the nodes agree on their ranks at the --rdzv-endpoint"),
+    (["--nnodes", "1:4", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:1", "x.py"], "no --node-rank"),
+    (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "join_timeout=inf", "x.py"],
+     "the value must be seconds"),
     (["--nnodes", "3:2", "--rdzv-endpoint", "127.0.0.1:1", "x.py"], "between 1 and MAX"),
     (["--nnodes", "one", "x.py"], "must be N or MIN:MAX"),
     (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-conf", "read_timeout=3", "x.py"], "known keys are"),

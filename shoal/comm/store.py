@@ -92,6 +92,10 @@ class Store:
         """Set `key` to `desired` unless it is set already; either way, its value now: the first writer wins."""
         return json.loads(self.raw.compare_set(self.prefix + key, "", json.dumps(desired)).decode())
 
+    def replace(self, key: str, expected: Any, desired: Any) -> Any:
+        """Set `key` to `desired` if it holds `expected`; either way, its value now."""
+        return json.loads(self.raw.compare_set(self.prefix + key, json.dumps(expected), json.dumps(desired)).decode())
+
 
 def _wait_until_reachable(host: str, port: int, timeout: timedelta) -> None:
     deadline = time.monotonic() + timeout.total_seconds()

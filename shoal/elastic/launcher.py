@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from shoal.backoff import attempts
 from shoal.comm.store import Store
 from shoal.elastic.nodes import Nodes, Placement
 from shoal.orphans import die_with_parent
@@ -57,7 +58,7 @@ class LaunchConfig:
     node_rank: int = 0
     """This node's index, 0..nnodes-1 (a fixed node count; with MIN:MAX the nodes agree on theirs)."""
     master_addr: str = "127.0.0.1"
-    """Where node 0's launcher serves the rendezvous store."""
+    """Where one node's launcher serves the rendezvous store (node 0's, with a fixed node count)."""
     master_port: int | None = None
     """Its port; None picks a free one (single node only)."""
     run_id: str = "none"
@@ -211,7 +212,8 @@ class Launcher:
         store, serving = self._open_store(port)  # held for the attempt: dropped (and so closed) when it ends
         nodes, placement = None, Placement(cfg.node_rank, cfg.nnodes * cfg.nproc_per_node, late=False)
         if cfg.max_nodes > 1:
-            nodes = Nodes(store.scoped(f"shoal-run/{cfg.run_id}/nodes/"), f"{socket.gethostname()}:{os.getpid()}",
+            me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"  # unique even across containers
+            nodes = Nodes(store.scoped(f"shoal-run/{cfg.run_id}/nodes/"), me,
                           nproc_per_node=cfg.nproc_per_node, min_nodes=cfg.nnodes, max_nodes=cfg.max_nodes,
                           stopping=self._stopping)
             placement = nodes.place(cfg.node_rank if cfg.fixed_nodes else None, join_timeout=cfg.join_timeout,
@@ -233,14 +235,12 @@ class Launcher:
             rank = placement.node_rank * cfg.nproc_per_node + local
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(local))
             self._workers.append(_Worker(rank, env, cfg.command, self._changed))
-        failed: tuple[_Worker, int] | None = (self._workers[0], 128 + signal.SIGTERM)
         try:
-            failed = self._watch()
-            return failed
+            return self._watch()
         finally:
             self._stop_all()
             if nodes is not None:
-                nodes.end(0 if failed is None else failed[1])
+                nodes.end()
                 if serving:
                     nodes.await_others()
             del store
@@ -259,7 +259,21 @@ class Launcher:
         return self._connect(port, cfg.join_timeout), False
 
     def _connect(self, port: int, timeout: timedelta) -> Store:
+        """A client of the job's store, once it is up (another node's launcher may start later); the
+        wait ends early if the launcher is told to stop."""
         cfg = self.config
+        for _ in attempts(time.monotonic() + timeout.total_seconds(), first=0.1, limit=1.0):
+            if self._stopping.is_set():
+                raise InterruptedError("stopped while connecting to the job's store")
+            try:
+                socket.create_connection((cfg.master_addr, port), timeout=1.0).close()
+                break
+            except OSError:
+                pass
+        else:
+            raise TimeoutError(f"the job's store at {cfg.master_addr}:{port} is unreachable after "
+                               f"{timeout.total_seconds():g}s (--rdzv-conf join_timeout): is the launcher of node 0, "
+                               f"or of the endpoint's machine, running?")
         return Store.connect(cfg.master_addr, port, world_size=cfg.nnodes * cfg.nproc_per_node, is_server=False,
                              timeout=timeout)
 
@@ -351,8 +365,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     flag("nproc-per-node", type=int, default=1)
     flag("nnodes", type=str, default="1", help="N (a fixed node count), or MIN:MAX (elastic: nodes may join "
          "and leave under --live)")
-    flag("node-rank", type=int, default=0)
-    flag("rdzv-endpoint", type=str, default=None, help="host:port of the store that node 0's launcher serves")
+    flag("node-rank", type=int, default=None, help="this node's index, with a fixed --nnodes N (0 by default)")
+    flag("rdzv-endpoint", type=str, default=None, help="host:port of the job's store, the same on every node")
     flag("rdzv-backend", choices=["static", "c10d"], default="static",
          help="either way, the store that one node's launcher serves")
     flag("rdzv-id", type=str, default="none", help="the job's id, given to the workers as TORCHELASTIC_RUN_ID")
@@ -374,6 +388,9 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     if not low.isdigit() or not (high or low).isdigit():
         parser.error(f"--nnodes {args.nnodes!r} must be N or MIN:MAX")
     conf = _rendezvous_conf(args.rdzv_conf, parser)
+    if (high or low) != low and (args.node_rank is not None or not args.rdzv_endpoint):
+        parser.error(f"--nnodes {args.nnodes}: the nodes agree on their ranks at the --rdzv-endpoint HOST:PORT "
+                     f"given to every node; no --node-rank")
     if args.standalone and (args.nnodes != "1" or args.rdzv_endpoint or args.master_addr or args.master_port):
         parser.error("--standalone runs one node with its store on a free local port: it takes no --nnodes, "
                      "--rdzv-endpoint, --master-addr or --master-port")
@@ -386,7 +403,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     command = ([*(["-m"] if args.module else []), args.script, *args.args]) if args.script else []
     try:
         return LaunchConfig(nproc_per_node=args.nproc_per_node, nnodes=int(low), max_nodes=int(high or low),
-                            node_rank=args.node_rank, master_addr=host, master_port=port, run_id=args.rdzv_id,
+                            node_rank=args.node_rank or 0, master_addr=host, master_port=port, run_id=args.rdzv_id,
                             max_restarts=args.max_restarts, live=args.live, command=command, **conf)
     except ValueError as exc:
         parser.error(str(exc))
@@ -402,7 +419,7 @@ def _rendezvous_conf(text: str, parser: argparse.ArgumentParser) -> dict[str, ti
             parser.error(f"--rdzv-conf {key!r}: known keys are {sorted(names)}")
         try:
             conf[names[key]] = timedelta(seconds=float(value))
-        except ValueError:
+        except (ValueError, OverflowError):
             parser.error(f"--rdzv-conf {item!r}: the value must be seconds")
     return conf
 
