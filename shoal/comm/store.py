@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -41,9 +42,10 @@ class Store:
         is_server: bool,
         timeout: timedelta = DEFAULT_TIMEOUT,
         prefix: str = "",
+        stop: threading.Event | None = None,
     ) -> Store:
         """Start the store server (the launcher, or rank 0 without one) or connect to it, failing clearly
-        within `timeout`."""
+        within `timeout`; a client waiting for the server gives up (InterruptedError) once `stop` is set."""
         if is_server:
             try:
                 tcp = tdist.TCPStore(host, port, world_size, True, timeout=timeout,
@@ -58,7 +60,7 @@ class Store:
         else:
             # TCPStore retries for up to three times its timeout; probe first so an
             # unreachable endpoint is reported once, within the caller's deadline.
-            _wait_until_reachable(host, port, timeout)
+            _wait_until_reachable(host, port, timeout, stop)
             tcp = tdist.TCPStore(host, port, world_size, False, timeout=timeout)
         return cls(tcp, prefix)
 
@@ -97,10 +99,12 @@ class Store:
         return json.loads(self.raw.compare_set(self.prefix + key, json.dumps(expected), json.dumps(desired)).decode())
 
 
-def _wait_until_reachable(host: str, port: int, timeout: timedelta) -> None:
+def _wait_until_reachable(host: str, port: int, timeout: timedelta, stop: threading.Event | None) -> None:
     deadline = time.monotonic() + timeout.total_seconds()
     error: OSError | None = None
     for _ in attempts(deadline):
+        if stop is not None and stop.is_set():
+            raise InterruptedError(f"stopped while waiting for the rendezvous store at {host}:{port}")
         try:
             with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 return

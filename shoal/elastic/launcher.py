@@ -36,7 +36,6 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from shoal.backoff import attempts
 from shoal.comm.store import Store
 from shoal.elastic.nodes import Nodes, Placement
 from shoal.orphans import die_with_parent
@@ -218,7 +217,7 @@ class Launcher:
                           stopping=self._stopping)
             placement = nodes.place(cfg.node_rank if cfg.fixed_nodes else None, join_timeout=cfg.join_timeout,
                                     last_call=cfg.last_call, take_late=cfg.live)
-            nodes.keep_alive(self._connect(port, cfg.join_timeout).scoped(f"shoal-run/{cfg.run_id}/nodes/"),
+            nodes.keep_alive(self._connect(port).scoped(f"shoal-run/{cfg.run_id}/nodes/"),
                              watch=serving)
         base = dict(os.environ, MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port),
                     WORLD_SIZE=str(placement.world_size), LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
@@ -256,26 +255,14 @@ class Launcher:
             except OSError:
                 if cfg.fixed_nodes:
                     raise  # the port is someone else's
-        return self._connect(port, cfg.join_timeout), False
+        return self._connect(port), False
 
-    def _connect(self, port: int, timeout: timedelta) -> Store:
-        """A client of the job's store, once it is up (another node's launcher may start later); the
-        wait ends early if the launcher is told to stop."""
+    def _connect(self, port: int) -> Store:
+        """A client of the job's store, once it is up (another node's launcher may start later, so
+        within the join timeout); the wait ends early if the launcher is told to stop."""
         cfg = self.config
-        for _ in attempts(time.monotonic() + timeout.total_seconds(), first=0.1, limit=1.0):
-            if self._stopping.is_set():
-                raise InterruptedError("stopped while connecting to the job's store")
-            try:
-                socket.create_connection((cfg.master_addr, port), timeout=1.0).close()
-                break
-            except OSError:
-                pass
-        else:
-            raise TimeoutError(f"the job's store at {cfg.master_addr}:{port} is unreachable after "
-                               f"{timeout.total_seconds():g}s (--rdzv-conf join_timeout): is the launcher of node 0, "
-                               f"or of the endpoint's machine, running?")
         return Store.connect(cfg.master_addr, port, world_size=cfg.nnodes * cfg.nproc_per_node, is_server=False,
-                             timeout=timeout)
+                             timeout=cfg.join_timeout, stop=self._stopping)
 
     def _watch(self) -> tuple[_Worker, int] | None:
         """Wait until every worker has exited 0 (None) or one has failed: then the worker that failed

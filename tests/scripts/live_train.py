@@ -1,9 +1,9 @@
 """Live recovery under `shoal run --live`: a small classifier trained for some epochs; each --kill
 RANK:STEP makes that rank SIGKILL itself before that step (in its first life only: a worker the
 launcher starts in its place joins and goes on); each --kill-launcher RANK:STEP makes it SIGKILL its
-launcher instead, which takes the worker with it (a lost node). Whenever its generation changes, each worker prints
-the step and a digest of its parameters, optimizer state and learning-rate schedule; each that
-finishes prints what its ledger of committed steps says."""
+launcher instead, which takes the worker with it (a lost node). Whenever its generation changes,
+each worker prints the step and a digest of its parameters, optimizer state and learning-rate
+schedule; each that finishes prints what its ledger of committed steps says."""
 
 import argparse
 import hashlib
