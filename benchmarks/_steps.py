@@ -51,17 +51,24 @@ def train_steps(model: Any, batch: tuple[Any, Any], steps: int, barrier: Callabl
                      wall=time.perf_counter() - wall)
 
 
-def interleaved(ops: dict[str, Callable[[], Any]], steps: int,
-                barrier: Callable[[], Any] = lambda: None) -> dict[str, float]:
-    """The median seconds of each op over `steps` calls after a warm-up, taking the ops in turn (one
-    call of each per round) so that a machine whose speed drifts during the run slows them all alike.
-    `barrier` runs before each call."""
+def interleaved_times(ops: dict[str, Callable[[], Any]], steps: int,
+                      barrier: Callable[[], Any] = lambda: None) -> dict[str, list[float]]:
+    """The seconds of each of `steps` calls of each op after a warm-up, taking the ops in turn (one call
+    of each per round) so that a machine whose speed drifts during the run slows them all alike; each
+    round starts one op further on, so that none is always first. `barrier` runs before each call."""
     times: dict[str, list[float]] = {label: [] for label in ops}
+    order = list(ops.items())
     for i in range(WARMUP + steps):
-        for label, op in ops.items():
+        for label, op in order[i % len(order):] + order[:i % len(order)]:
             barrier()
             start = time.perf_counter()
             op()
             if i >= WARMUP:
                 times[label].append(time.perf_counter() - start)
-    return {label: statistics.median(values) for label, values in times.items()}
+    return times
+
+
+def interleaved(ops: dict[str, Callable[[], Any]], steps: int,
+                barrier: Callable[[], Any] = lambda: None) -> dict[str, float]:
+    """The median seconds of each op, timed as `interleaved_times` does."""
+    return {label: statistics.median(values) for label, values in interleaved_times(ops, steps, barrier).items()}

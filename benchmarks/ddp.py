@@ -7,22 +7,31 @@ and backend, in the same processes (world size 2).
 A step is zero_grad, forward, loss, backward and an SGD step. The configurations take turns, one step
 each per round, so that a machine whose speed drifts slows them alike. Besides the median step time it
 reports the share of all-reduce time hidden behind backward: 1 - (DDP step - compute-only step) /
-(time to all-reduce every gradient once, alone).
+(time to all-reduce every gradient once, alone). A second table, from a pass of its own
+(--tracing-steps), gives the cost of tracing: shoal DDP's step with a timeline being written (as under
+`shoal run --trace`) beside the same step untraced: the median of the two's difference in each round,
+plus the traced step's share of writing the timeline out. Beside it, PyTorch's counterpart: torch
+DDP's step under torch.profiler.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
 from benchmarks import _ranks
-from benchmarks._steps import interleaved, training_step
+from benchmarks._steps import interleaved, interleaved_times, training_step
 from shoal.ports import free_port
 
 MODELS = ("mlp-10M", "digits-cnn")
+WRITE_EVERY = 10  # traced steps per write of the timeline
+UNTRACED, TRACED, OVERHEAD = "shoal DDP (shoal), untraced", "shoal DDP (shoal), traced", "tracing overhead"
+TORCH_UNTRACED, TORCH_PROFILED = "torch DDP (gloo), untraced", "torch DDP (gloo), under torch.profiler"
 
 
 def _model_and_batch(name: str, rank: int):
@@ -45,7 +54,53 @@ def _model_and_batch(name: str, rank: int):
     return model, batch
 
 
-def _worker(rank: int, ports: tuple[int, int, int], steps: int, results) -> None:
+class _Traced:
+    """`step` with `timeline` (a shoal.observe.timeline.Timeline that has no writer thread) attached while
+    it runs, and only then. Every WRITE_EVERY-th call also writes the timeline's queue out, as the writer
+    thread of a traced job would (it writes every 0.5 s: hundreds of small steps), but inside the step, so
+    that its cost lands on this configuration; `writing_s` keeps each call's time spent writing."""
+
+    def __init__(self, step, timeline) -> None:
+        self.step, self.timeline = step, timeline
+        self.writing_s: list[float] = []
+
+    def __call__(self) -> None:
+        from shoal.observe import events
+
+        events.attach(self.timeline)
+        try:
+            self.step()
+        finally:
+            events.detach(self.timeline)
+        start = time.perf_counter()
+        if len(self.writing_s) % WRITE_EVERY == WRITE_EVERY - 1:
+            self.timeline.write_out()
+        self.writing_s.append(time.perf_counter() - start)
+
+    def overhead(self, untraced: list[float], traced: list[float]) -> float:
+        """What tracing adds to a step: the median, over rounds, of the traced step (less its writing) minus
+        the untraced step of the same round, plus the mean time writing per step. Pairs of one round
+        share the machine's mood of the moment, so their difference is steadier than two medians'; a
+        median alone would miss the writing, and a mean would be as noisy as the slowest steps."""
+        writing = self.writing_s[-len(traced):]
+        paired = (t - w - u for u, t, w in zip(untraced, traced, writing, strict=True))
+        return statistics.median(paired) + statistics.mean(writing)
+
+
+def _under_torch_profiler(step, steps: int, barrier) -> dict[str, float]:
+    """PyTorch's counterpart of tracing: torch DDP's step, untraced and then under torch.profiler
+    recording CPU activity, in a block of `steps` each (the profiler has no cheap pause between steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    untraced = statistics.median(interleaved_times({"": step}, steps, barrier)[""])
+    with profile(activities=[ProfilerActivity.CPU]):
+        profiled = statistics.median(interleaved_times({"": step}, steps, barrier)[""])
+    return {TORCH_UNTRACED: untraced, TORCH_PROFILED: profiled}
+
+
+def _worker(rank: int, ports: tuple[int, int, int], steps: int, tracing_steps: int, results) -> None:
+    import tempfile
+
     import torch
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -53,6 +108,7 @@ def _worker(rank: int, ports: tuple[int, int, int], steps: int, results) -> None
     import shoal.distributed as dist
     from shoal.comm.native import ShoalProcessGroup
     from shoal.comm.rendezvous import Endpoint, join
+    from shoal.observe.timeline import Timeline
     from shoal.parallel import DistributedDataParallel as ShoalDDP
 
     torch.set_num_threads(1)
@@ -63,6 +119,8 @@ def _worker(rank: int, ports: tuple[int, int, int], steps: int, results) -> None
     tdist.init_process_group("gloo", f"tcp://127.0.0.1:{ports[2]}", rank=rank, world_size=2, timeout=timeout)
     native = ShoalProcessGroup.create(join(Endpoint("127.0.0.1", ports[1], rank, 2), timeout), rank, 2, timeout,
                                       "127.0.0.1")
+    trace_dir = tempfile.TemporaryDirectory(prefix="shoal-bench-trace-")
+    timeline = Timeline(Path(trace_dir.name), rank, write_every_s=None)
     rows = []
     for name in MODELS:
         model, batch = _model_and_batch(name, rank)
@@ -75,10 +133,19 @@ def _worker(rank: int, ports: tuple[int, int, int], steps: int, results) -> None
                "shoal DDP (gloo)": training_step(ShoalDDP(_model_and_batch(name, rank)[0], process_group=gloo), batch),
                "shoal DDP (shoal)": training_step(ShoalDDP(_model_and_batch(name, rank)[0], process_group=native),
                                                   batch)}
-        medians = interleaved(ops, steps, tdist.barrier)
-        seconds = torch.tensor(list(medians.values()), dtype=torch.float64)
+        figures = interleaved(ops, steps, tdist.barrier)
+        # Tracing costs a few percent at most: it gets a pass of its own, of more steps, for steadier medians.
+        traced = _Traced(training_step(ShoalDDP(_model_and_batch(name, rank)[0], process_group=native), batch),
+                         timeline)
+        times = interleaved_times({UNTRACED: ops["shoal DDP (shoal)"], TRACED: traced}, tracing_steps, tdist.barrier)
+        figures |= {UNTRACED: statistics.median(times[UNTRACED]),
+                    OVERHEAD: traced.overhead(times[UNTRACED], times[TRACED])}
+        figures |= _under_torch_profiler(ops["torch DDP (gloo)"], tracing_steps // 2, tdist.barrier)
+        seconds = torch.tensor(list(figures.values()), dtype=torch.float64)
         tdist.all_reduce(seconds, op=tdist.ReduceOp.MAX)  # the slower rank sets the pace
-        rows.append({"model": name, "params": params, **dict(zip(medians, seconds.tolist(), strict=True))})
+        rows.append({"model": name, "params": params, **dict(zip(figures, seconds.tolist(), strict=True))})
+    timeline.close()
+    trace_dir.cleanup()
     if rank == 0:
         results.put(rows)
     native.shutdown()
@@ -86,8 +153,8 @@ def _worker(rank: int, ports: tuple[int, int, int], steps: int, results) -> None
     tdist.destroy_process_group()
 
 
-def run(steps: int) -> list[dict]:
-    return _ranks.run(_worker, 2, (free_port(), free_port(), free_port()), steps)
+def run(steps: int, tracing_steps: int) -> list[dict]:
+    return _ranks.run(_worker, 2, (free_port(), free_port(), free_port()), steps, tracing_steps)
 
 
 def _hidden(step: float, compute: float, comm: float) -> str:
@@ -109,11 +176,27 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def tracing_table(rows: list[dict]) -> list[str]:
+    lines = ["| model | shoal DDP (shoal) | traced | tracing overhead | torch DDP (gloo) | under torch.profiler | "
+             "profiler overhead |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        plain, extra = r[UNTRACED], r[OVERHEAD]
+        torch_plain, profiled = r[TORCH_UNTRACED], r[TORCH_PROFILED]
+        lines.append(f"| {r['model']} | {plain * 1e3:.2f} ms | {(plain + extra) * 1e3:.2f} ms | {extra / plain:+.1%} | "
+                     f"{torch_plain * 1e3:.2f} ms | {profiled * 1e3:.2f} ms | {profiled / torch_plain - 1:+.1%} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration (median taken)")
+    parser.add_argument("--tracing-steps", type=int, default=200,
+                        help="timed steps of the untraced and the traced step, in the pass that compares them")
     args = parser.parse_args(argv)
-    print("\n".join(table(run(args.steps))))
+    rows = run(args.steps, args.tracing_steps)
+    print("\n".join(table(rows)))
+    print()
+    print("\n".join(tracing_table(rows)))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """The `shoal` command: `shoal run` (the launcher), `shoal demo` (the main job), `shoal bench NAME`
-(a side-by-side benchmark from benchmarks/)."""
+(a side-by-side benchmark from benchmarks/), `shoal trace ...` (reading the traces of a run)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -21,6 +22,32 @@ def _bench(name: str, args: list[str]) -> None:
     # Imported as a package module, not run as a path, so that spawned ranks can import it too.
     sys.path.insert(0, str(_REPO))
     importlib.import_module(f"benchmarks.{module}").main(args)
+
+
+def _trace(args: argparse.Namespace) -> None:
+    try:
+        if args.tool == "merge":
+            from shoal.observe.traces import merge
+
+            count = merge(args.dir, args.output)
+            print(f"{count} events of {args.dir} written to {args.output} (open it in https://ui.perfetto.dev "
+                  f"or chrome://tracing)")
+        elif args.tool == "summary":
+            from shoal.observe.summary import render, summary_of
+
+            figures = summary_of(args.dir)
+            print(json.dumps(figures, indent=1) if args.json else render(figures))
+        elif args.tool == "plot":
+            from shoal.observe.plot import plot
+
+            plot(args.dir, args.output, last_s=args.last)
+            print(f"timeline of {args.dir} drawn in {args.output}")
+        else:
+            from shoal.observe.hang import report
+
+            print(report(args.dir))
+    except FileNotFoundError as exc:
+        raise SystemExit(f"shoal trace {args.tool}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,6 +69,22 @@ def main(argv: list[str] | None = None) -> None:
                       help="restart all workers after a failure; with --live, start lost ones again (default 3)")
     demo.add_argument("--live", action="store_true", help="live recovery: when a worker dies, the others go on")
     demo.add_argument("--min-workers", type=int, default=1, help="with --live: below this, wait for workers to join")
+    demo.add_argument("--trace", type=Path, metavar="DIR", help="write each worker's timeline here (shoal trace ...)")
+    demo.add_argument("--metrics", type=Path, metavar="FILE", help="write a JSON line per step and worker here")
+    trace = commands.add_parser("trace", help="read the timelines and flight records of a run (--trace DIR)")
+    tools = trace.add_subparsers(dest="tool", required=True)
+    merge = tools.add_parser("merge", help="one file of every rank for Perfetto or chrome://tracing")
+    merge.add_argument("dir", type=Path)
+    merge.add_argument("-o", "--output", type=Path, default=Path("trace.json"))
+    summary = tools.add_parser("summary", help="per rank: time computing, communicating, both, idle")
+    summary.add_argument("dir", type=Path)
+    summary.add_argument("--json", action="store_true", help="print the figures as JSON")
+    plot = tools.add_parser("plot", help="a picture of the timeline (needs matplotlib)")
+    plot.add_argument("dir", type=Path)
+    plot.add_argument("-o", "--output", type=Path, default=Path("timeline.png"))
+    plot.add_argument("--last", type=float, metavar="SECONDS", help="only the run's last SECONDS")
+    hang = tools.add_parser("hang", help="from the flight records: which rank is behind, and where the others wait")
+    hang.add_argument("dir", type=Path)
     bench = commands.add_parser("bench", help="run a benchmark beside PyTorch's own component",
                                 description="Run benchmarks/NAME.py; arguments after NAME go to it.")
     bench.add_argument("name", choices=BENCHMARKS)
@@ -52,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
                      "--checkpoint-dir")
     if args.command == "bench":
         _bench(args.name, args.args)
+    elif args.command == "trace":
+        _trace(args)
     elif args.command == "demo":
         from shoal.elastic.launcher import LaunchConfig, Launcher
 
@@ -60,8 +105,12 @@ def main(argv: list[str] | None = None) -> None:
             command += ["--checkpoint-dir", args.checkpoint_dir]
         if args.live:
             command += ["--live", "--min-workers", str(args.min_workers)]
+        if args.metrics:
+            args.metrics.unlink(missing_ok=True)  # this run's lines only; the workers append
+            command += ["--metrics", str(args.metrics.resolve())]
         restarts = args.max_restarts if args.max_restarts is not None else 3 if args.live else 0
-        config = LaunchConfig(nproc_per_node=args.workers, max_restarts=restarts, live=args.live, command=command)
+        config = LaunchConfig(nproc_per_node=args.workers, max_restarts=restarts, live=args.live, command=command,
+                              trace=args.trace)
         sys.exit(Launcher(config).run())
 
 

@@ -6,6 +6,7 @@ DistributedDataParallel, each worker training on its shard.
     shoal run --nproc-per-node 2 -m shoal.demo   # the same worker under the launcher directly
     shoal run --nproc-per-node 2 --max-restarts 3 -m shoal.demo --checkpoint-dir ckpt   # survives a crash
     shoal demo --live --workers 3                # live recovery: survivors go on when a worker dies
+    shoal demo --trace trace --metrics metrics.jsonl   # timelines (shoal trace ...) and per-step metrics
 
 With --checkpoint-dir the run resumes from the newest valid checkpoint there: same step, epoch and
 place in the epoch, same optimizer state and RNG, so it continues the sample sequence of an
@@ -16,19 +17,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from tqdm import tqdm
 
 import shoal.distributed as dist
 from shoal.checkpoint import CheckpointManager, capture_rng, finish_writes_on_sigterm, restore_rng
 from shoal.data import DistributedSampler
 from shoal.elastic.faults import maybe_kill
+from shoal.observe.metrics import Metrics
+from shoal.observe.progress import progress
 from shoal.parallel import DistributedDataParallel
 
 
@@ -62,8 +63,9 @@ def accuracy(model: nn.Module, data: TensorDataset) -> float:
 
 
 def train(epochs: int, backend: str, batch_size: int, lr: float, seed: int = 0,
-          checkpoint_dir: Path | None = None, checkpoint_every: int = 20) -> float:
-    """Train under an already launched job (env:// rendezvous); returns the final test accuracy."""
+          checkpoint_dir: Path | None = None, checkpoint_every: int = 20, metrics_path: Path | None = None) -> float:
+    """Train under an already launched job (env:// rendezvous); returns the final test accuracy.
+    With `metrics_path`, every rank appends a line per step there."""
     torch.set_num_threads(1)  # workers share the machine's cores
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -83,6 +85,7 @@ def train(epochs: int, backend: str, batch_size: int, lr: float, seed: int = 0,
             print(f"resuming from {latest.path.name}: step {step}, epoch {start_epoch + 1}, batch {start_batch}",
                   flush=True)
     model = DistributedDataParallel(net)
+    metrics = Metrics(metrics_path) if metrics_path else None
     sampler = DistributedSampler(train_set, seed=seed)
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
     if rank == 0:
@@ -92,8 +95,7 @@ def train(epochs: int, backend: str, batch_size: int, lr: float, seed: int = 0,
     for epoch in range(start_epoch, epochs):
         sampler.set_epoch(epoch)
         total = torch.zeros(2, dtype=torch.float64)  # loss sum, samples
-        batches = tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", disable=rank != 0, leave=False,
-                       file=sys.stdout, mininterval=0.5)
+        batches = progress(loader, f"epoch {epoch + 1}/{epochs}", enabled=rank == 0)
         for batch, (images, labels) in enumerate(batches):
             if epoch == start_epoch and batch < start_batch:
                 continue  # consumed before the checkpoint we resumed from
@@ -103,6 +105,8 @@ def train(epochs: int, backend: str, batch_size: int, lr: float, seed: int = 0,
             optimizer.step()
             step += 1
             total += torch.tensor([loss.item() * len(labels), len(labels)], dtype=torch.float64)
+            if metrics is not None:
+                metrics.step(loss=loss, samples=len(labels), epoch=epoch)
             if manager is not None and step % checkpoint_every == 0:
                 manager.save(step, {"model": net.state_dict(), "optim": optimizer.state_dict(), "rng": capture_rng(),
                                     "epoch": epoch, "batch": batch + 1})
@@ -114,6 +118,8 @@ def train(epochs: int, backend: str, batch_size: int, lr: float, seed: int = 0,
                   f"({time.perf_counter() - started:.1f}s)", flush=True)
     if manager is not None:
         manager.wait()
+    if metrics is not None:
+        metrics.close()
     if rank == 0:
         checksum = sum(p.detach().double().sum().item() for p in net.parameters())
         print(f"final parameter checksum {checksum!r} after {step} steps", flush=True)
@@ -121,7 +127,8 @@ def train(epochs: int, backend: str, batch_size: int, lr: float, seed: int = 0,
     return test_accuracy
 
 
-def train_live(epochs: int, batch_size: int, lr: float, min_workers: int = 1, seed: int = 0) -> float:
+def train_live(epochs: int, batch_size: int, lr: float, min_workers: int = 1, seed: int = 0,
+               metrics_path: Path | None = None) -> float:
     """Train with live recovery under `shoal run --live`: when a worker dies, the others go on from
     the last committed step, and the worker its launcher starts in its place joins them (with fewer
     than `min_workers`, they wait for it). Returns the final test accuracy."""
@@ -137,6 +144,7 @@ def train_live(epochs: int, batch_size: int, lr: float, min_workers: int = 1, se
     sampler = ElasticSampler(train_set, batch_size, rank=rank, world_size=world, seed=seed)
     live = LiveTraining(net, optimizer, sampler, min_workers=min_workers)
     loader = DataLoader(train_set, batch_sampler=sampler)
+    metrics = Metrics(metrics_path) if metrics_path else None
     if live.group.rank == 0 and live.generation.number == 0:
         print(f"training on {len(train_set)} digits with {world} workers and live recovery; "
               f"{len(test_set)} held out for testing", flush=True)
@@ -146,8 +154,11 @@ def train_live(epochs: int, batch_size: int, lr: float, min_workers: int = 1, se
         for images, labels in live.batches(loader):
             start = sampler.offset
             with live.step():
-                nn.functional.cross_entropy(live.model(images), labels).backward()
+                loss = nn.functional.cross_entropy(live.model(images), labels)
+                loss.backward()
             counts[order[start:sampler.offset]] += 1  # the committed step: every member's share
+            if metrics is not None:
+                metrics.step(loss=loss, samples=len(labels), generation=live.generation.number, epoch=epoch)
             maybe_kill(rank, live.steps)
         test_accuracy = accuracy(net, test_set)
         if live.group.rank == 0:
@@ -159,6 +170,8 @@ def train_live(epochs: int, batch_size: int, lr: float, min_workers: int = 1, se
         print(f"samples trained: {int(counts.sum())} over {epochs} epochs; missed {int((counts < epochs).sum())}, "
               f"trained more than once per epoch {int((counts > epochs).sum())}", flush=True)
     live.close()
+    if metrics is not None:
+        metrics.close()
     return test_accuracy
 
 
@@ -172,13 +185,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
     parser.add_argument("--live", action="store_true", help="live recovery (run under `shoal run --live`)")
     parser.add_argument("--min-workers", type=int, default=1, help="with --live: below this, wait for workers to join")
+    parser.add_argument("--metrics", type=Path, help="append a JSON line per step and rank to this file")
     args = parser.parse_args(argv)
     if args.live:
-        train_live(args.epochs, args.batch_size, args.lr, args.min_workers)
+        train_live(args.epochs, args.batch_size, args.lr, args.min_workers, metrics_path=args.metrics)
         return
     finish_writes_on_sigterm()  # stopped after another worker's failure: keep the checkpoint being written
     train(args.epochs, args.backend, args.batch_size, args.lr, checkpoint_dir=args.checkpoint_dir,
-          checkpoint_every=args.checkpoint_every)
+          checkpoint_every=args.checkpoint_every, metrics_path=args.metrics)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,15 @@ from datetime import timedelta
 
 import torch
 
-from shoal.comm import rendezvous
+from shoal.comm import clock, rendezvous
 from shoal.comm.c10d import C10dProcessGroup
 from shoal.comm.group import DEFAULT_TIMEOUT, ProcessGroup
 from shoal.comm.native import ShoalProcessGroup
 from shoal.comm.reduce_op import ReduceOp
 from shoal.comm.store import Store
 from shoal.comm.work import Work
+from shoal.observe import events, flight
+from shoal.observe.flight import recorder
 
 # How each backend builds its world group from a joined store: (store, rank, world_size, timeout, host).
 BACKENDS: dict[str, Callable[[Store, int, int, timedelta, str], ProcessGroup]] = {
@@ -52,6 +54,21 @@ def init_process_group(backend: str = "shoal", init_method: str = "env://", rank
     store = rendezvous.join(endpoint, timeout)
     _world = BACKENDS[backend](store, endpoint.rank, endpoint.world_size, timeout, endpoint.host)
     _world.store = store
+    _observe(_world)
+
+
+def _observe(world: ProcessGroup) -> None:
+    """Name this process's rank to the flight recorder and the timeline, dump on SIGUSR1, and, where
+    every rank traces, line the traces up with rank 0's clock (NCCL groups: not measured)."""
+    recorder.rank = world.ranks[world.rank]
+    flight.dump_on_sigusr1()
+    if world.backend == "nccl":  # its tensors must be on the rank's GPU, which it may not have chosen yet
+        events.describe_process(rank=recorder.rank)
+        return
+    tracing = torch.tensor([1 if events.active() else 0], dtype=torch.int32)
+    world.all_reduce(tracing, ReduceOp.MIN).wait()
+    offset = clock.offset_to_rank0(world) if tracing.item() else None
+    events.describe_process(rank=recorder.rank, clock_offset_ns=offset)
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:

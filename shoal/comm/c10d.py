@@ -9,6 +9,7 @@ many groups, and rebuild them, as it needs."""
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -33,6 +34,7 @@ from shoal.comm.staging import staged
 from shoal.comm.store import Store
 from shoal.comm.work import Work
 from shoal.errors import PeerFailure
+from shoal.observe.flight import recorder
 
 _TORCH_OPS = {
     ReduceOp.SUM: tdist.ReduceOp.SUM,
@@ -71,6 +73,7 @@ class _TorchWork(Work):
                     self._work.wait(timeout) if timeout is not None else self._work.wait()
                 except RuntimeError as exc:
                     if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                        recorder.dump(f"{self.name} timed out: {exc}")
                         raise TimeoutError(f"{self.name}: {exc}") from None  # not final: may wait again
                     lost = any(hint in str(exc) for hint in _PEER_LOST_HINTS)
                     self.finish(PeerFailure(None, f"{self.name}: {exc}") if lost else exc)
@@ -125,6 +128,7 @@ class C10dProcessGroup(ProcessGroup):
         self._store, self._name = store, name
         self._engine = _engine(backend, store, name, self.ranks, self.rank, timeout)
         self._subgroups_made = 0
+        self._seq = itertools.count()  # operations issued, for the flight recorder
         # See _held_until_exit (seen with Gloo; NCCL's teardown is its own).
         self._recent: collections.deque | None = collections.deque(maxlen=_RECENT_OPS) if backend == "gloo" else None
 
@@ -136,9 +140,14 @@ class C10dProcessGroup(ProcessGroup):
         return cls(backend, store.raw, store.prefix + "c10d/", range(world_size), rank, timeout)
 
     def _wrap(self, name: str, work, then: Callable[[], None] = lambda: None) -> Work:
+        """Our Work for torch's; its flight entry and span run from now until completion is seen."""
         if self._recent is not None:
             self._recent.append(work)
-        return _TorchWork(name, self.timeout, work, then)
+        wrapped = _TorchWork(name, self.timeout, work, then)
+        seq = next(self._seq)
+        wrapped.flight = recorder.record(self._name, self.ranks, seq, name, name, 0)
+        wrapped.running({"group": self._name, "seq": seq, "algorithm": self.backend})
+        return wrapped
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp, blocking: bool) -> Work:
         t, back = staged(tensor)

@@ -28,6 +28,7 @@ from shoal.comm import shm
 from shoal.comm.frame_header import ACK_NOW, NO_SLOT, SIZE, FrameHeader, Kind, recv_exact, send_frame
 from shoal.comm.frames import Payload, SendTracker
 from shoal.errors import PeerFailure
+from shoal.observe import events
 
 log = logging.getLogger(__name__)
 
@@ -482,6 +483,7 @@ class PeerLink:
             self._retired.append(sock)
         _shut(sock)
         log.info("connection to rank %d dropped (%s); healing", self.rank, exc)
+        healing = events.begin()
         deadline = time.monotonic() + self._heal_timeout
         try:
             new, peer_received = (self._owner.redial(self, self._address, deadline) if self._dialer
@@ -501,6 +503,8 @@ class PeerLink:
             self.last_heard = time.monotonic()
         self._enqueue(None, memoryview(b""), None)  # the send thread replays (never the reader: see send)
         log.info("connection to rank %d restored", self.rank)
+        events.complete(f"link to rank {self.rank} healed", events.FAULT, healing, peer=self.rank, cause=str(exc),
+                        frames_to_resend=len(self._window))
 
     def _await_redial(self, deadline: float) -> tuple[socket.socket, int]:
         """Wait for the peer to dial us again, checking between waits that its process still listens."""

@@ -7,6 +7,8 @@ collectives, or pass tensors of different sizes or dtypes, are told so instead o
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 import threading
 from collections import defaultdict
@@ -25,6 +27,8 @@ from shoal.comm.store import Store
 from shoal.comm.transport import Transport
 from shoal.comm.work import OpQueue, Work
 from shoal.errors import CollectiveMismatchError, GroupBrokenError
+from shoal.observe import events
+from shoal.observe.flight import recorder
 
 _OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
         "all_to_all", "barrier", "send/recv"]
@@ -165,9 +169,12 @@ class ShoalProcessGroup(ProcessGroup):
         count = numel if numel is not None else (tensor.numel() if tensor is not None else 0)
         sig = (_OPS.index(name), dtype, int(redop), root, count)
         work = Work(name, self.timeout)
+        nbytes = count * tensor.element_size() if tensor is not None else 0
 
         def run() -> None:
             op = Op(self._group_id, -1, seq, sig, self.ranks, self.timeout, name, describe, deadline=work.deadline)
+            traced = {"bytes": nbytes, "group": self._group_id, "seq": seq}
+            on_timeline = work.running(traced) is not None
             if self._broken is not None:
                 work.finish(GroupBrokenError(f"{name}: this group failed earlier ({self._broken}); "
                                              f"destroy it and create a new one"))
@@ -178,6 +185,8 @@ class ShoalProcessGroup(ProcessGroup):
                 body(channel)
                 channel.flush()
                 finish()
+                if on_timeline:
+                    traced["algorithm"] = routing.path(name, self._placement, nbytes)
                 work.finish()
             except CollectiveMismatchError as exc:
                 # Every rank aborted this op alike, so the group stays usable; frames of the failed op
@@ -193,6 +202,8 @@ class ShoalProcessGroup(ProcessGroup):
 
         with self._issue:
             seq = next(self._seq)
+            work.flight = recorder.record(self._group_id, self.ranks, seq, name, functools.partial(describe, sig),
+                                          nbytes)
             here = self._queue.submit(run, inline_if_idle=blocking)
         if here:
             self._queue.run_here(run)
@@ -271,14 +282,28 @@ class ShoalProcessGroup(ProcessGroup):
             raise GroupBrokenError(f"{name}: this group failed earlier ({self._broken}); destroy it and "
                                    f"create a new one")
         sig = (_OPS.index("send/recv"), dtypes.code(tensor.dtype, f"{name} on the shoal backend"), 0, 0, tensor.numel())
+        work.flight = recorder.record(self._group_id, self.ranks, seq, name, functools.partial(describe, sig),
+                                      tensor.numel() * tensor.element_size(), peer=self.ranks[peer], tag=tag)
         return Op(self._group_id, tag, seq, sig, (self.ranks[peer],), self.timeout, name, describe,
                   deadline=work.deadline)
+
+    def _p2p_running(self, work: Work, op: Op, src: int, dst: int, flat: torch.Tensor) -> events.Started | None:
+        """Start a send's or receive's span; returns its start, where the flow between the two is anchored."""
+        return work.running({"bytes": flat.numel() * flat.element_size(), "src": src, "dst": dst, "tag": op.tag,
+                             "seq": op.seq, "group": self._group_id})
+
+    def _flow_id(self, src: int, dst: int, op: Op) -> int:
+        """The same number in the sender's and the receiver's trace (JSON-safe: under 2**53)."""
+        key = f"{self._group_id}:{src}:{dst}:{op.tag}:{op.seq}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=6).digest(), "big")
 
     def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work:
         flat, _ = _staged(tensor)
         work = Work(f"send to rank {self.ranks[dst]}", self.timeout)
 
         def start() -> None:
+            me, peer = self.transport.rank, self.ranks[dst]
+            events.flow(True, self._flow_id(me, peer, op), self._p2p_running(work, op, me, peer, flat))
             try:
                 tracker = SendTracker(on_done=work.finish)
                 self.transport.send(op, self.ranks[dst], 0, ring.as_bytes(flat), tracker)
@@ -296,12 +321,17 @@ class ShoalProcessGroup(ProcessGroup):
         flat, back = _staged(tensor)
         work = Work(f"recv from rank {self.ranks[src]}", self.timeout)
 
+        started: events.Started | None = None
+
         def landed(recv: Recv) -> None:
             if recv.error is None:
                 back()
+                events.flow(False, self._flow_id(self.ranks[src], self.transport.rank, op), started)
             work.finish(recv.error)
 
         def start() -> None:
+            nonlocal started
+            started = self._p2p_running(work, op, self.ranks[src], self.transport.rank, flat)
             try:
                 self.transport.post_recv(op, self.ranks[src], 0, ring.as_bytes(flat), on_done=landed)
             except Exception as exc:

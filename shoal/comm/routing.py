@@ -31,6 +31,22 @@ class OpChannel(ring.Channel, Watch, Protocol):
         ...
 
 
+_IN_SHARED_MEMORY = {"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"}
+_DIRECT = {"gather", "scatter", "all_to_all", "barrier"}
+
+
+def path(name: str, placement: Placement | None, nbytes: int) -> str:
+    """The path the functions below took for collective `name` of `nbytes`, as the timeline shows it."""
+    if placement is None or (len(placement.hosts) == 1 and placement.arena is None):
+        return "local"
+    if placement.shared and name in _IN_SHARED_MEMORY:
+        return "shared memory"
+    if name == "all_reduce" and not placement.apart:
+        return "hierarchical"
+    small = nbytes <= ring.SMALL_BYTES and name in {"all_reduce", "broadcast", "reduce", "reduce_scatter"}
+    return "direct" if small or name in _DIRECT else "ring"
+
+
 def _in_arena(ch: OpChannel, placement: Placement, body: Callable[[], None]) -> None:
     placement.arena.run(ch.op, ch, body)
 

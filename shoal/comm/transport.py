@@ -20,6 +20,8 @@ from shoal.comm.frames import Op, Payload, Recv, SendTracker
 from shoal.comm.link import MAX_ABORT_TEXT, PeerLink, process_gone, resume_handshake
 from shoal.comm.matching import Matcher
 from shoal.errors import CollectiveMismatchError, PeerFailure
+from shoal.observe import events
+from shoal.observe.flight import recorder
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +266,8 @@ class Transport:
             return error
         if not self.closed:
             log.warning("rank %d lost rank %d: %s", self.rank, rank, reason)
+            events.instant(f"rank {rank} lost", events.FAULT, peer=rank, reason=reason)
+            recorder.dump(f"lost rank {rank}: {reason}")
         self._tell_listeners(error)
         link = self._links.get(rank)
         if link is not None:

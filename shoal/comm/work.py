@@ -7,10 +7,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
+
+from shoal.observe import events
+from shoal.observe.flight import Entry, recorder
 
 
 class Work:
-    """Handle of an operation started with `async_op=True` (same methods as torch's Work)."""
+    """Handle of an operation started with `async_op=True` (same methods as torch's Work).
+
+    The backend may give it the operation's flight-recorder entry and, once the operation runs, the
+    start of its span on the timeline: both are closed when it finishes.
+    """
 
     def __init__(self, name: str, timeout: timedelta) -> None:
         self.name = name
@@ -18,12 +26,25 @@ class Work:
         self._deadline = time.monotonic() + timeout.total_seconds()
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self.flight: Entry | None = None
+        self._started: events.Started | None = None
+        self._span_args: dict[str, Any] = {}
+
+    def running(self, span_args: dict[str, Any]) -> events.Started | None:
+        """The operation has started to run: its flight entry says so and its span begins, described by
+        `span_args` (which the backend may still add to)."""
+        if self.flight is not None:
+            self.flight.start()
+        self._started = events.begin()
+        self._span_args = span_args
+        return self._started
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the operation is done; re-raise its error. Returns True, as torch's does."""
         limit = self._deadline - time.monotonic() if timeout is None else timeout.total_seconds()
         if not self._event.wait(max(0.0, limit)):
             seconds = self._timeout.total_seconds() if timeout is None else timeout.total_seconds()
+            recorder.dump(f"{self.name} timed out after {seconds:g}s")
             raise TimeoutError(f"{self.name} did not complete within {seconds:g}s")
         if self._error is not None:
             raise self._error
@@ -46,8 +67,16 @@ class Work:
     def finish(self, error: BaseException | None = None) -> None:
         """Mark the operation done (by the backend); the first outcome wins."""
         if not self._event.is_set():
+            if self.flight is not None:
+                self.flight.finish(error)
+            if self._started is not None:
+                if error is not None:
+                    self._span_args["error"] = repr(error)
+                events.complete(self.name, events.COMM, self._started, **self._span_args)
             self._error = error
             self._event.set()
+            if isinstance(error, TimeoutError):
+                recorder.dump(f"{self.name}: {error}")
 
 
 class OpQueue:

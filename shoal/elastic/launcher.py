@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import os
 import secrets
@@ -35,13 +36,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 from shoal.comm.store import Store
 from shoal.elastic.nodes import Nodes, Placement
+from shoal.observe.flight import FILE_PREFIX
 from shoal.orphans import die_with_parent
 from shoal.ports import free_port
 
 _GRACE_S = 10.0  # how long stopped workers get between SIGTERM and SIGKILL
+_FLIGHT_DUMP_S = 3.0  # with --trace, how long workers get to write their flight records before SIGTERM
 _LIVE_STRAGGLER_S = 90.0  # under --live, longer than LiveTraining's timeout: a worker this late was left behind
 _TAIL_LINES = 20
 
@@ -72,6 +76,8 @@ class LaunchConfig:
     """Keep the other workers running when one fails (live recovery, shoal.elastic.live)."""
     command: list[str] = field(default_factory=list)
     """What each worker runs, after the Python interpreter: a script and its args, or -m module args."""
+    trace: Path | None = None
+    """Where workers write their timelines and flight records (SHOAL_TRACE); None: no tracing."""
 
     def __post_init__(self) -> None:
         if self.max_nodes is None:
@@ -225,6 +231,10 @@ class Launcher:
                     TORCHELASTIC_RUN_ID=cfg.run_id, SHOAL_LIVE="1" if cfg.live else "0")
         if self.secret:
             base["SHOAL_SECRET"] = self.secret
+        if sys.stdout.isatty():
+            base["SHOAL_TTY"] = "1"  # its output reaches a terminal through us: progress may redraw itself
+        if cfg.trace is not None:
+            base["SHOAL_TRACE"] = str(cfg.trace.resolve())
         if placement.late:
             base["SHOAL_JOINING"] = "1"  # its workers join the running job (shoal.elastic.live)
         if not cfg.fixed_nodes:
@@ -320,6 +330,8 @@ class Launcher:
 
     def _stop_all(self) -> None:
         alive = [w for w in self._workers if w.proc.poll() is None]
+        if alive and self.config.trace is not None:
+            self._collect_flight_records(alive)
         if not self._stopping.is_set():  # after Ctrl-C/SIGTERM the workers already have the signal
             for worker in alive:
                 worker.signal(signal.SIGTERM)
@@ -332,6 +344,17 @@ class Launcher:
                 worker.proc.wait()
         for worker in [*self._replaced, *self._workers]:
             worker.pump.join(timeout=2)
+
+    def _collect_flight_records(self, workers: list[_Worker]) -> None:
+        """Workers about to be stopped write what they were doing (SIGUSR1, shoal.observe.flight) into
+        the trace directory first, so that `shoal trace hang` can tell which was behind."""
+        for worker in workers:  # the worker alone: processes it started may not handle SIGUSR1
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.proc.pid, signal.SIGUSR1)
+        expected = [self.config.trace / f"{FILE_PREFIX}rank{w.rank}-pid{w.proc.pid}.json" for w in workers]
+        deadline = time.monotonic() + _FLIGHT_DUMP_S
+        while time.monotonic() < deadline and not all(path.exists() for path in expected):
+            time.sleep(0.05)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stopping.set()
@@ -363,6 +386,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     flag("master-addr", type=str, default=None)
     flag("master-port", type=int, default=None)
     flag("max-restarts", type=int, default=0)
+    parser.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                        help="write each worker's timeline and flight record into DIR (see `shoal trace`)")
     parser.add_argument("--live", action="store_true",
                         help="when a worker fails, keep the others running (scripts using shoal.elastic.live)")
     parser.add_argument("-m", "--module", action="store_true",
@@ -391,7 +416,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     try:
         return LaunchConfig(nproc_per_node=args.nproc_per_node, nnodes=int(low), max_nodes=int(high or low),
                             node_rank=args.node_rank or 0, master_addr=host, master_port=port, run_id=args.rdzv_id,
-                            max_restarts=args.max_restarts, live=args.live, command=command, **conf)
+                            max_restarts=args.max_restarts, live=args.live, command=command, trace=args.trace,
+                            **conf)
     except ValueError as exc:
         parser.error(str(exc))
 

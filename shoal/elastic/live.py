@@ -42,6 +42,7 @@ from shoal.elastic.decisions import DISCARD, GROW, StepDecisions
 from shoal.elastic.handover import share_state
 from shoal.elastic.membership import JobFinished, Membership
 from shoal.errors import GroupBrokenError, PeerFailure
+from shoal.observe import events
 from shoal.parallel import DistributedDataParallel
 
 _LOSSES = (PeerFailure, GroupBrokenError)  # what ends a generation; anything else is the script's error
@@ -170,6 +171,7 @@ class LiveTraining:
         this one; to the one after, if a member is lost while the group takes rank 0's state, or if the
         generation is smaller than `min_workers` (once workers ask to join). (A member lost while the
         new group's mesh connects ends in TimeoutError.)"""
+        regrouping, cause = events.begin(), "a member lost" if loss is not None else "workers joining"
         while True:
             if advance:
                 before = self.generation
@@ -189,6 +191,8 @@ class LiveTraining:
             self._await_joiners()
             loss = None
         self._regrouped = True
+        events.complete(f"generation {self.generation.number}", events.MEMBERSHIP, regrouping,
+                        members=list(self.generation.members), cause=cause)
 
     def _await_joiners(self) -> None:
         if self.group.rank == 0:

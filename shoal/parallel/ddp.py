@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map_only
 
 from shoal.comm.group import ProcessGroup
 from shoal.comm.reduce_op import ReduceOp
+from shoal.observe import events
 from shoal.parallel.buckets import Bucket, assign_buckets
 from shoal.parallel.comm_hooks import GradBucket, Pending, allreduce_hook
 
@@ -76,6 +77,7 @@ class DistributedDataParallel(nn.Module):
         self.launched_in_backward = 0  # buckets whose reduction began before backward ended (last step)
         self._prepared = False  # forward has reset the buckets for the backward that follows it
         self._forward_thread: int | None = None  # which thread ran the forward that prepared it
+        self._backward_started: events.Started | None = None  # for the timeline: when the first gradient came
         self._number = next(_numbers)
         _replicas.add(self)
         for bucket in self.buckets:
@@ -132,7 +134,10 @@ class DistributedDataParallel(nn.Module):
                 self._sync_from_rank0(list(self.module.buffers()))
         if self.device is not None:  # as torch's DDP does for a module given its device: inputs follow it
             args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
-        return self.module(*args, **kwargs)
+        started = events.begin()
+        output = self.module(*args, **kwargs)
+        events.complete("forward", events.COMPUTE, started)
+        return output
 
     def _prepare_for_backward(self) -> None:
         """Reset the buckets; reductions a failed backward left in flight are finished first, so the
@@ -156,6 +161,7 @@ class DistributedDataParallel(nn.Module):
                                        "(a second backward through the same graph is not supported)")
                 self._prepared = False
                 self._in_backward = True
+                self._backward_started = events.begin()
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             if bucket.mark_ready(i):
                 self._launch_ready(_grad_of, in_backward=True)
@@ -167,6 +173,9 @@ class DistributedDataParallel(nn.Module):
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             bucket = self.buckets[self._next_launch]
             self._inflight[bucket.index] = self._reduce(bucket, [read(p) for p in bucket.params])
+            if events.active():
+                events.instant(f"bucket {bucket.index} launched", events.DDP, in_backward=in_backward,
+                               bytes=bucket.offsets[-1] * bucket.params[0].element_size())
             self._next_launch += 1
             self.launched_in_backward += in_backward
 
@@ -198,6 +207,8 @@ class DistributedDataParallel(nn.Module):
     def _finish_backward(self) -> None:
         """Runs once autograd has finished this backward: reduce what is left, wait, write `.grad`."""
         self._in_backward = False
+        events.complete("backward", events.COMPUTE, self._backward_started)
+        self._backward_started = None
         self._complete_reduction(_grad_of, self._write_grad)
 
     def _write_grad(self, param: torch.Tensor, result: torch.Tensor) -> None:

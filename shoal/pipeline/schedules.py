@@ -15,10 +15,12 @@ stage's forwards and backwards in their order, with torch.distributed.pipelining
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable
 
 import torch
 
+from shoal.observe import events
 from shoal.pipeline.header import StepHeader, check_describable, microbatch_sizes
 from shoal.pipeline.stage import Incoming, PipelineStage, describe
 
@@ -204,17 +206,23 @@ class _StepRun:
 
     # ---- one micro-batch -------------------------------------------------------------------------
 
+    def _computing(self, what: str, j: int) -> contextlib.AbstractContextManager:
+        """The timeline's span of micro-batch j's forward or backward computation on this stage."""
+        return events.span(f"{what} {j}", events.COMPUTE, stage=self.stage.stage_index, microbatch=j)
+
     def _forward(self, j: int) -> None:
         stage, i = self.stage, self.stage.stage_index
         x = None
         if stage.is_first:
-            output = self.module(*self.inputs[j])
+            with self._computing("forward", j):
+                output = self.module(*self.inputs[j])
         else:
             x = stage.take_activation(self.received.pop(j), j)
             if self._gradient_flows(self.header_in):
                 x.requires_grad_()  # so that backward yields the gradient to send back
             try:
-                output = self.module(x)
+                with self._computing("forward", j):
+                    output = self.module(x)
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError as exc:  # torch's way to refuse a shape or dtype; other errors pass as they are
@@ -262,11 +270,13 @@ class _StepRun:
             # (rows_j / B) * (mean over micro-batch j's rows); so each micro-batch's loss gets weight
             # rows_j / B (1/m when B divides evenly), and the gradients add up to the whole batch's.
             if output.requires_grad:
-                (output * (len(self.targets[j]) / self.batch_size)).backward()
+                with self._computing("backward", j):
+                    (output * (len(self.targets[j]) / self.batch_size)).backward()
         elif self._gradient_flows(self.header_out):
             gradient = stage.take_gradient(self.gradients.pop(j), j)
             if output.requires_grad:
-                torch.autograd.backward(output, gradient)
+                with self._computing("backward", j):
+                    torch.autograd.backward(output, gradient)
         if x is not None and self._gradient_flows(self.header_in):
             stage.send_gradient(x.grad if x.grad is not None else torch.zeros_like(x))
         self.live -= 1

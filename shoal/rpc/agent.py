@@ -20,6 +20,7 @@ from shoal.backoff import attempts
 from shoal.comm import mesh, rendezvous
 from shoal.comm.transport import Transport
 from shoal.errors import GroupBrokenError, PeerFailure
+from shoal.observe import events
 from shoal.rpc import autograd_hook, current
 from shoal.rpc.forks import Forks
 from shoal.rpc.functions import is_async_execution
@@ -188,6 +189,9 @@ class RpcAgent:
         payload = self._forks.encode_for(dst, (tuple(args), kwargs or {}))
         header = replace(header, autograd=autograd_hook.outgoing_tag(dst, payload, autograd_hook.current_context()))
         msg_id = next(self._ids)
+        started = events.begin()
+        if started is not None:
+            future.add_done_callback(lambda _: events.complete(f"rpc {what}", events.RPC, started, dst=dst))
         self._outstanding.add(msg_id, Call(future, dst, what, seconds))
         try:
             self._wire.send(dst, Kind.REQUEST, msg_id, header, payload)
@@ -268,7 +272,7 @@ class RpcAgent:
         the outcome at once or, for an @async_execution function, once its future completes."""
         try:
             func = resolve_function(ref, self.name)
-            with autograd_hook.serving(tag):
+            with autograd_hook.serving(tag), events.span(f"serve {ref[0]}.{ref[1]}", events.COMPUTE):
                 result = func(*args, **kwargs)
             answers_later = is_async_execution(func)
             if answers_later and not isinstance(result, torch._C.Future):  # then()'s futures are only that

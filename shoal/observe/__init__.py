@@ -1,0 +1,3 @@
+"""Seeing what a job does: events and the timeline (events.py, timeline.py), the flight recorder for
+hangs (flight.py), metrics as JSON lines (metrics.py), progress in a terminal or a log (progress.py),
+and the tools that read traces after a run (`shoal trace ...`)."""
