@@ -132,6 +132,22 @@ def test_a_receive_whose_send_never_came_names_the_sender():
     assert finding.detail == "rank 0 waits in it; rank 1 has not sent it"
 
 
+def test_an_operation_that_failed_alike_everywhere_and_was_got_past_is_not_the_hang():
+    def entry(seq: int, state: str) -> dict:
+        return {"group": 0, "ranks": [0, 1, 2], "seq": seq, "name": "all_reduce", "what": "all_reduce(float32)",
+                "nbytes": 16, "peer": None, "tag": None, "state": state, "issued": 1.0, "started": 1.0, "ended": None,
+                "error": None}
+
+    # Every rank failed #5 (a mismatch: the group goes on); ranks 0 and 1 wait in #10, which rank 2 never issued.
+    ran = [entry(seq, "failed" if seq == 5 else "completed") for seq in range(10)]
+    records = {0: {"rank": 0, "time": 5.0, "entries": [*ran, entry(10, "started")]},
+               1: {"rank": 1, "time": 5.0, "entries": [*ran, entry(10, "issued")]},
+               2: {"rank": 2, "time": 5.0, "entries": ran}}
+    [finding] = diagnose(records)
+    assert finding.op == "all_reduce(float32) #10 of group 0"
+    assert finding.waiting == [0, 1] and finding.behind == [2]
+
+
 def test_shares_of_a_rank_add_up_and_count_overlap_once():
     spans = [{"cat": "compute", "ts": 0.0, "dur": 60.0}, {"cat": "compute", "ts": 50.0, "dur": 20.0},
              {"cat": "comm", "ts": 40.0, "dur": 40.0}, {"cat": "compute", "ts": 90.0, "dur": 10.0}]

@@ -128,7 +128,9 @@ class C10dProcessGroup(ProcessGroup):
         self._store, self._name = store, name
         self._engine = _engine(backend, store, name, self.ranks, self.rank, timeout)
         self._subgroups_made = 0
-        self._seq = itertools.count()  # operations issued, for the flight recorder
+        # Operations issued, for the flight recorder: collectives (key None), and sends or receives per
+        # (kind, peer, tag), numbered as the shoal backend numbers them.
+        self._issued: dict[tuple | None, itertools.count] = collections.defaultdict(itertools.count)
         # See _held_until_exit (seen with Gloo; NCCL's teardown is its own).
         self._recent: collections.deque | None = collections.deque(maxlen=_RECENT_OPS) if backend == "gloo" else None
 
@@ -139,13 +141,16 @@ class C10dProcessGroup(ProcessGroup):
             raise ValueError("backend 'nccl' needs CUDA GPUs; use backend 'gloo' or 'shoal' on CPUs")
         return cls(backend, store.raw, store.prefix + "c10d/", range(world_size), rank, timeout)
 
-    def _wrap(self, name: str, work, then: Callable[[], None] = lambda: None) -> Work:
-        """Our Work for torch's; its flight entry and span run from now until completion is seen."""
+    def _wrap(self, name: str, work, then: Callable[[], None] = lambda: None, *, peer: int | None = None,
+              tag: int | None = None) -> Work:
+        """Our Work for torch's; its flight entry and span run from now until completion is seen. A send
+        or receive (`name` "send" or "recv") names its `peer` (a global rank) and `tag`."""
         if self._recent is not None:
             self._recent.append(work)
-        wrapped = _TorchWork(name, self.timeout, work, then)
-        seq = next(self._seq)
-        wrapped.flight = recorder.record(self._name, self.ranks, seq, name, name, 0)
+        label = name if peer is None else f"{name} {'to' if name == 'send' else 'from'} rank {peer}"
+        wrapped = _TorchWork(label, self.timeout, work, then)
+        seq = next(self._issued[None if peer is None else (name, peer, tag)])
+        wrapped.flight = recorder.record(self._name, self.ranks, seq, name, label, 0, peer=peer, tag=tag)
         wrapped.running({"group": self._name, "seq": seq, "algorithm": self.backend})
         return wrapped
 
@@ -230,12 +235,12 @@ class C10dProcessGroup(ProcessGroup):
 
     def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work:
         work = self._engine.send([tensor.contiguous()], dst, tag)
-        return self._wrap(f"send to rank {self.ranks[dst]}", work)
+        return self._wrap("send", work, peer=self.ranks[dst], tag=tag)
 
     def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work:
         t, back = staged(tensor)
         work = self._engine.recv([t], src, tag)
-        return self._wrap(f"recv from rank {self.ranks[src]}", work, back)
+        return self._wrap("recv", work, back, peer=self.ranks[src], tag=tag)
 
     def new_subgroup(self, ranks: Sequence[int]) -> C10dProcessGroup | None:
         """Every member of this group calls it, in the same order: that order names the subgroup's part

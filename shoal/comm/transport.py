@@ -266,13 +266,14 @@ class Transport:
             return error
         if not self.closed:
             log.warning("rank %d lost rank %d: %s", self.rank, rank, reason)
-            events.instant(f"rank {rank} lost", events.FAULT, peer=rank, reason=reason)
-            recorder.dump(f"lost rank {rank}: {reason}")
         self._tell_listeners(error)
         link = self._links.get(rank)
         if link is not None:
             link.fail(error)
             link.shutdown(socket.SHUT_RDWR)  # wakes its reader
+        if not self.closed:  # recorded once everyone waiting on the peer knows
+            events.instant(f"rank {rank} lost", events.FAULT, peer=rank, reason=reason)
+            recorder.dump(f"lost rank {rank}: {reason}")
         return error
 
     def sever(self, rank: int) -> None:

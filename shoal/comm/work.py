@@ -26,6 +26,8 @@ class Work:
         self._deadline = time.monotonic() + timeout.total_seconds()
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self._claim = threading.Lock()
+        self._finished = False
         self.flight: Entry | None = None
         self._started: events.Started | None = None
         self._span_args: dict[str, Any] = {}
@@ -33,6 +35,8 @@ class Work:
     def running(self, span_args: dict[str, Any]) -> events.Started | None:
         """The operation has started to run: its flight entry says so and its span begins, described by
         `span_args` (which the backend may still add to)."""
+        if self._finished:
+            return None
         if self.flight is not None:
             self.flight.start()
         self._started = events.begin()
@@ -66,17 +70,22 @@ class Work:
 
     def finish(self, error: BaseException | None = None) -> None:
         """Mark the operation done (by the backend); the first outcome wins."""
-        if not self._event.is_set():
+        with self._claim:
+            if self._finished:
+                return
+            self._finished = True
+        try:
             if self.flight is not None:
                 self.flight.finish(error)
             if self._started is not None:
                 if error is not None:
                     self._span_args["error"] = repr(error)
                 events.complete(self.name, events.COMM, self._started, **self._span_args)
+        finally:  # whatever observing it did, the operation is done
             self._error = error
             self._event.set()
-            if isinstance(error, TimeoutError):
-                recorder.dump(f"{self.name}: {error}")
+        if isinstance(error, TimeoutError):
+            recorder.dump(f"{self.name}: {error}")
 
 
 class OpQueue:

@@ -348,10 +348,11 @@ class Launcher:
     def _collect_flight_records(self, workers: list[_Worker]) -> None:
         """Workers about to be stopped write what they were doing (SIGUSR1, shoal.observe.flight) into
         the trace directory first, so that `shoal trace hang` can tell which was behind."""
-        for worker in workers:  # the worker alone: processes it started may not handle SIGUSR1
+        asked = [w for w in workers if _catches(w.proc.pid, signal.SIGUSR1)]  # else SIGUSR1 would kill it
+        for worker in asked:  # the worker alone: processes it started may not handle SIGUSR1
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker.proc.pid, signal.SIGUSR1)
-        expected = [self.config.trace / f"{FILE_PREFIX}rank{w.rank}-pid{w.proc.pid}.json" for w in workers]
+        expected = [self.config.trace / f"{FILE_PREFIX}rank{w.rank}-pid{w.proc.pid}.json" for w in asked]
         deadline = time.monotonic() + _FLIGHT_DUMP_S
         while time.monotonic() < deadline and not all(path.exists() for path in expected):
             time.sleep(0.05)
@@ -362,6 +363,17 @@ class Launcher:
             worker.signal(signum)
         with self._changed:
             self._changed.notify_all()
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (Linux's /proc says; elsewhere: assume not). A
+    worker that has not imported shoal, or not yet, would die of SIGUSR1's default action."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            caught = next(line.split()[1] for line in status if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught, 16) >> (signum - 1) & 1)
 
 
 def parse_args(argv: list[str]) -> LaunchConfig:

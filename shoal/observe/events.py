@@ -141,12 +141,9 @@ def _span(name: str, cat: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]
         complete(name, cat, started, **args)
 
 
-_NOTHING = contextlib.nullcontext({})
-
-
 def span(name: str, cat: str, **args: Any) -> contextlib.AbstractContextManager[dict[str, Any]]:
     """`with span(...) as args:` records the block; the body may add to `args`."""
-    return _span(name, cat, args) if _sinks else _NOTHING
+    return _span(name, cat, args) if _sinks else contextlib.nullcontext(args)
 
 
 def instant(name: str, cat: str, **args: Any) -> None:

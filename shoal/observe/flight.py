@@ -78,25 +78,38 @@ class FlightRecorder:
 
     def dump(self, reason: str, *, asked: bool = False) -> Path | None:
         """Write what this process remembers, replacing its earlier dump, and return the file; an
-        automatic dump (not `asked` for) is written only where a directory for dumps is set."""
+        automatic dump (not `asked` for) is written only where a directory for dumps is set. Never
+        raises: it runs on the paths that report failures, which must go on whatever the disk does."""
         given = os.environ.get(DIR_ENV) or os.environ.get("SHOAL_TRACE")
         if not self.capacity or not (given or asked):
             return None
-        with self._dump_lock:
-            directory = Path(given) if given else Path(tempfile.gettempdir()) / "shoal-flight"
-            directory.mkdir(parents=True, exist_ok=True)
-            rank = self.rank if self.rank is not None else "unknown"
-            path = directory / f"{FILE_PREFIX}rank{rank}-pid{os.getpid()}.json"
-            record = {"rank": self.rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
-                      "entries": [e.as_dict() for e in list(self._entries)]}
-            part = path.with_suffix(".part")
-            part.write_text(json.dumps(record, indent=1))
-            part.replace(path)  # a reader never sees half a dump
+        rank = self.rank if self.rank is not None else "unknown"
+        try:
+            with self._dump_lock:
+                directory = Path(given) if given else Path(tempfile.gettempdir()) / "shoal-flight"
+                directory.mkdir(parents=True, exist_ok=True)
+                path = directory / f"{FILE_PREFIX}rank{rank}-pid{os.getpid()}.json"
+                record = {"rank": self.rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
+                          "entries": [e.as_dict() for e in list(self._entries)]}
+                part = path.with_suffix(".part")
+                part.write_text(json.dumps(record, indent=1))
+                part.replace(path)  # a reader never sees half a dump
+        except Exception as exc:  # see above
+            print(f"shoal: could not write the flight recorder of rank {rank} ({reason}): {exc!r}", file=sys.stderr,
+                  flush=True)
+            return None
         print(f"shoal: flight recorder of rank {rank} written to {path} ({reason})", file=sys.stderr, flush=True)
         return path
 
 
-recorder = FlightRecorder(int(os.environ.get(CAPACITY_ENV) or 2000))
+def _capacity() -> int:
+    text = os.environ.get(CAPACITY_ENV) or "2000"
+    if not text.isdigit():
+        raise ValueError(f"{CAPACITY_ENV}={text!r}: expected how many operations to keep (0: none)")
+    return int(text)
+
+
+recorder = FlightRecorder(_capacity())
 
 
 def dump_on_sigusr1() -> None:

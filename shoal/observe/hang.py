@@ -38,9 +38,13 @@ def load_records(directory: Path) -> dict[int, dict[str, Any]]:
     return records
 
 
-def _unfinished(entry: dict[str, Any]) -> bool:
-    """Not completed: still waiting when dumped, or given up on (a timeout, a lost peer)."""
-    return entry["state"] != "completed"
+def _not_got_past(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of one rank's operations in one sequence (a group's collectives, or one peer's sends or receives
+    with one tag), those it did not get past: not completed (still waiting when dumped, or given up
+    on: a timeout, a lost peer), and nothing after them completed (a mismatch fails an operation, and
+    the group goes on)."""
+    done = max((e["seq"] for e in entries if e["state"] == "completed"), default=-1)
+    return [e for e in entries if e["state"] != "completed" and e["seq"] > done]
 
 
 def _label(entry: dict[str, Any]) -> str:
@@ -55,12 +59,12 @@ def _collective_findings(records: dict[int, dict[str, Any]]) -> list[Finding]:
                 groups.setdefault((entry["group"], tuple(entry["ranks"])), {}).setdefault(rank, []).append(entry)
     findings = []
     for (_, members), by_rank in groups.items():
-        pending = [e for entries in by_rank.values() for e in entries if _unfinished(e)]
+        stuck_by_rank = {rank: _not_got_past(entries) for rank, entries in by_rank.items()}
+        pending = [e for entries in stuck_by_rank.values() for e in entries]
         if not pending:
             continue
         stuck_seq = min(e["seq"] for e in pending)
-        waiting = sorted(r for r, entries in by_rank.items() if any(e["seq"] == stuck_seq and _unfinished(e)
-                                                                     for e in entries))
+        waiting = sorted(r for r, entries in stuck_by_rank.items() if any(e["seq"] == stuck_seq for e in entries))
         stuck = next(e for e in pending if e["seq"] == stuck_seq)
         behind, notes = [], []
         for member in members:
@@ -85,9 +89,11 @@ def _collective_findings(records: dict[int, dict[str, Any]]) -> list[Finding]:
 def _p2p_findings(records: dict[int, dict[str, Any]]) -> list[Finding]:
     findings = []
     for rank, record in records.items():
+        receives: dict[tuple, list[dict[str, Any]]] = {}
         for entry in record["entries"]:
-            if entry["name"] != "recv" or not _unfinished(entry):
-                continue
+            if entry["name"] == "recv":
+                receives.setdefault((entry["group"], entry["peer"], entry["tag"]), []).append(entry)
+        for entry in (e for entries in receives.values() for e in _not_got_past(entries)):
             peer = entry["peer"]
             sent = peer in records and any(
                 e["name"] == "send" and e["peer"] == rank and e["tag"] == entry["tag"] and e["seq"] == entry["seq"]

@@ -9,8 +9,10 @@ rank 0's clock, once measured (comm/clock.py), is written beside them for `shoal
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import sys
 import threading
 from collections import deque
 from pathlib import Path
@@ -63,19 +65,28 @@ class Timeline:
             self.write_out()
 
     def write_out(self) -> None:
-        """Encode and write what is queued, and flush the file."""
+        """Encode and write what is queued, and flush the file. A file that cannot be written (a full
+        disk) ends the timeline with a message, never the training that emits events."""
         with self._lock:
             if self._file.closed:
                 return
             lines = []
             while self._queue:
                 lines.append(_ENCODER.encode(self._queue.popleft()))
-            if lines:
-                self._file.write(("\n" if self._first else ",\n") + ",\n".join(lines))
-                self._first = False
-            self._file.flush()
+            try:
+                if lines:
+                    self._file.write(("\n" if self._first else ",\n") + ",\n".join(lines))
+                    self._first = False
+                self._file.flush()
+            except OSError as exc:
+                print(f"shoal: timeline {self.path} stopped: {exc!r}", file=sys.stderr, flush=True)
+                self._queue.clear()
+                with contextlib.suppress(OSError):
+                    self._file.close()
 
     def _add(self, event: dict[str, Any], at_once: bool = False) -> None:
+        if self._file.closed:
+            return
         self._queue.append(event)
         if at_once:
             self.write_out()
@@ -124,19 +135,15 @@ class Timeline:
     def close(self) -> None:
         self._closing.set()
         if self._writer is not None and self._writer is not threading.current_thread():
-            self._writer.join()
+            self._writer.join(timeout=5)
         self.write_out()
-        with self._lock:
+        with self._lock, contextlib.suppress(OSError):  # write_out said so already
             if not self._file.closed:
                 self._file.write("\n]\n")
                 self._file.close()
 
 
 _timeline: Timeline | None = None
-
-
-def current() -> Timeline | None:
-    return _timeline
 
 
 def start(directory: str | os.PathLike, rank: int | None = None) -> Timeline:
