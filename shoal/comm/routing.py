@@ -43,6 +43,8 @@ def path(name: str, placement: Placement | None, nbytes: int) -> str:
         return "shared memory"
     if name == "all_reduce" and not placement.apart:
         return "hierarchical"
+    if name == "reduce_scatter":  # `nbytes` is its output; the ring decides by all of its input
+        nbytes *= sum(len(host) for host in placement.hosts)
     small = nbytes <= ring.SMALL_BYTES and name in {"all_reduce", "broadcast", "reduce", "reduce_scatter"}
     return "direct" if small or name in _DIRECT else "ring"
 

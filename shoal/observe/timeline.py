@@ -16,7 +16,7 @@ import sys
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from shoal.observe import events, flight
 
@@ -34,7 +34,9 @@ class Timeline:
     An event is only queued where it happens: a thread of its own encodes and writes the queue every
     WRITE_EVERY_S, in one pass, which costs a training step a fraction of encoding each event on the
     spot (a step's events each found the encoder cold). Failures and membership changes are written at once.
-    `write_every_s=None` leaves the writing to `write_out()` and `close()`.
+    `write_every_s=None` leaves the writing to `write_out()` and `close()`. The file is made with the
+    first event that is not metadata: a process that records nothing (`shoal trace` itself, run where
+    SHOAL_TRACE is set) leaves none.
     """
 
     def __init__(self, directory: Path, rank: int | None, write_every_s: float | None = WRITE_EVERY_S) -> None:
@@ -44,9 +46,9 @@ class Timeline:
         self._queue: deque[dict[str, Any]] = deque()  # appends and pops are atomic: emitters take no lock
         self._lock = threading.Lock()  # the file's
         self._named_threads: set[int] = set()
-        self._file = open(self.path, "w")
-        self._file.write("[")
-        self._first = True
+        self._file: TextIO | None = None
+        self._recorded = False  # an event that is not metadata has been queued
+        self._stopped = False  # closed, or the file failed
         if rank is not None:
             self._set_rank(rank)
         self._closing = threading.Event()
@@ -68,25 +70,31 @@ class Timeline:
         """Encode and write what is queued, and flush the file. A file that cannot be written (a full
         disk) ends the timeline with a message, never the training that emits events."""
         with self._lock:
-            if self._file.closed:
+            if self._stopped or not self._recorded:
                 return
             lines = []
             while self._queue:
                 lines.append(_ENCODER.encode(self._queue.popleft()))
             try:
-                if lines:
-                    self._file.write(("\n" if self._first else ",\n") + ",\n".join(lines))
-                    self._first = False
+                if self._file is None:
+                    self._file = open(self.path, "w")
+                    self._file.write("[\n")
+                elif lines:
+                    self._file.write(",\n")
+                self._file.write(",\n".join(lines))
                 self._file.flush()
             except OSError as exc:
                 print(f"shoal: timeline {self.path} stopped: {exc!r}", file=sys.stderr, flush=True)
+                self._stopped = True
                 self._queue.clear()
-                with contextlib.suppress(OSError):
-                    self._file.close()
+                if self._file is not None:
+                    with contextlib.suppress(OSError):
+                        self._file.close()
 
     def _add(self, event: dict[str, Any], at_once: bool = False) -> None:
-        if self._file.closed:
+        if self._stopped:
             return
+        self._recorded = self._recorded or event["ph"] != "M"
         self._queue.append(event)
         if at_once:
             self.write_out()
@@ -138,9 +146,10 @@ class Timeline:
             self._writer.join(timeout=5)
         self.write_out()
         with self._lock, contextlib.suppress(OSError):  # write_out said so already
-            if not self._file.closed:
+            if not self._stopped and self._file is not None:
                 self._file.write("\n]\n")
                 self._file.close()
+            self._stopped = True
 
 
 _timeline: Timeline | None = None
