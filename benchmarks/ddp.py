@@ -190,7 +190,7 @@ def tracing_table(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration (median taken)")
-    parser.add_argument("--tracing-steps", type=int, default=200,
+    parser.add_argument("--tracing-steps", type=int, default=400,
                         help="timed steps of the untraced and the traced step, in the pass that compares them")
     args = parser.parse_args(argv)
     rows = run(args.steps, args.tracing_steps)
