@@ -283,19 +283,21 @@ class ShoalProcessGroup(ProcessGroup):
                                    f"create a new one")
         sig = (_OPS.index("send/recv"), dtypes.code(tensor.dtype, f"{name} on the shoal backend"), 0, 0, tensor.numel())
         work.flight = recorder.record(self._group_id, self.ranks, seq, name, functools.partial(describe, sig),
-                                      tensor.numel() * tensor.element_size(), peer=self.ranks[peer], tag=tag)
+                                      tensor.nbytes, peer=self.ranks[peer], tag=tag)
         return Op(self._group_id, tag, seq, sig, (self.ranks[peer],), self.timeout, name, describe,
                   deadline=work.deadline)
 
     def _p2p_running(self, work: Work, op: Op, src: int, dst: int, flat: torch.Tensor) -> events.Started | None:
         """Start a send's or receive's span; returns its start, where the flow between the two is anchored."""
-        return work.running({"bytes": flat.numel() * flat.element_size(), "src": src, "dst": dst, "tag": op.tag,
+        return work.running({"bytes": flat.nbytes, "src": src, "dst": dst, "tag": op.tag,
                              "seq": op.seq, "group": self._group_id})
 
-    def _flow_id(self, src: int, dst: int, op: Op) -> int:
-        """The same number in the sender's and the receiver's trace (JSON-safe: under 2**53)."""
-        key = f"{self._group_id}:{src}:{dst}:{op.tag}:{op.seq}".encode()
-        return int.from_bytes(hashlib.blake2b(key, digest_size=6).digest(), "big")
+    def _flow(self, begins: bool, src: int, dst: int, op: Op, at: events.Started | None) -> None:
+        """One end of the arrow from a send (`src`) to its receive (`dst`), numbered alike in both traces
+        (JSON-safe: under 2**53); nothing, not even the number, while untraced (`at` is None)."""
+        if at is not None:
+            key = f"{self._group_id}:{src}:{dst}:{op.tag}:{op.seq}".encode()
+            events.flow(begins, int.from_bytes(hashlib.blake2b(key, digest_size=6).digest(), "big"), at)
 
     def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work:
         flat, _ = _staged(tensor)
@@ -303,7 +305,7 @@ class ShoalProcessGroup(ProcessGroup):
 
         def start() -> None:
             me, peer = self.transport.rank, self.ranks[dst]
-            events.flow(True, self._flow_id(me, peer, op), self._p2p_running(work, op, me, peer, flat))
+            self._flow(True, me, peer, op, self._p2p_running(work, op, me, peer, flat))
             try:
                 tracker = SendTracker(on_done=work.finish)
                 self.transport.send(op, self.ranks[dst], 0, ring.as_bytes(flat), tracker)
@@ -326,7 +328,7 @@ class ShoalProcessGroup(ProcessGroup):
         def landed(recv: Recv) -> None:
             if recv.error is None:
                 back()
-                events.flow(False, self._flow_id(self.ranks[src], self.transport.rank, op), started)
+                self._flow(False, self.ranks[src], self.transport.rank, op, started)
             work.finish(recv.error)
 
         def start() -> None:
