@@ -207,6 +207,9 @@ def _broadcast_and_buffers(rank: int, world: int) -> list[torch.Tensor]:
 
     torch.manual_seed(rank)  # different initial weights per rank: DDP must replace them with rank 0's
     net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    # A transposed weight is not contiguous: it is broadcast through a staging copy, copied back into
+    # a leaf that requires grad (from the group's thread, outside DDP's no_grad).
+    net[0].weight = nn.Parameter(torch.randn(4, 4).t())
     ddp = DistributedDataParallel(net)
     ddp(torch.randn(8, 4) * (rank + 1))  # train mode: BN statistics diverge per rank...
     ddp.eval()

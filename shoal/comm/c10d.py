@@ -131,6 +131,9 @@ class C10dProcessGroup(ProcessGroup):
         # Operations issued, for the flight recorder: collectives (key None), and sends or receives per
         # (kind, peer, tag), numbered as the shoal backend numbers them.
         self._issued: dict[tuple | None, itertools.count] = collections.defaultdict(itertools.count)
+        # Gloo's TCP pairs and its gather, scatter, all-to-all and reduce-scatter read host memory only
+        # (a GPU pointer handed to them kills the process): those stage GPU tensors through the host.
+        self._host_only = "cpu" if backend == "gloo" else None
         # See _held_until_exit (seen with Gloo; NCCL's teardown is its own).
         self._recent: collections.deque | None = collections.deque(maxlen=_RECENT_OPS) if backend == "gloo" else None
 
@@ -140,6 +143,10 @@ class C10dProcessGroup(ProcessGroup):
         if backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend 'nccl' needs CUDA GPUs; use backend 'gloo' or 'shoal' on CPUs")
         return cls(backend, store.raw, store.prefix + "c10d/", range(world_size), rank, timeout)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def _wrap(self, name: str, work, then: Callable[[], None] = lambda: None, *, peer: int | None = None,
               tag: int | None = None) -> Work:
@@ -188,36 +195,27 @@ class C10dProcessGroup(ProcessGroup):
         return self._wrap("all_gather", work, lambda: [back() for _, back in outputs])
 
     def _start_gather(self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, blocking: bool) -> Work:
-        outputs = [staged(o) for o in outs] if outs is not None else []
+        outputs = [staged(o, self._host_only) for o in outs] if outs is not None else []
         gathered = [[s for s, _ in outputs]] if self.rank == dst else []
-        work = self._engine.gather(gathered, [tensor.contiguous()], _options(GatherOptions, rootRank=dst))
+        mine = staged(tensor, self._host_only)[0]
+        work = self._engine.gather(gathered, [mine], _options(GatherOptions, rootRank=dst))
         return self._wrap("gather", work, lambda: [back() for _, back in outputs])
 
     def _start_scatter(self, tensor: torch.Tensor, ins: list[torch.Tensor] | None, src: int, blocking: bool) -> Work:
-        t, back = staged(tensor)
-        blocks = [[i.contiguous() for i in ins]] if self.rank == src else []
+        t, back = staged(tensor, self._host_only)
+        blocks = [[staged(i, self._host_only)[0] for i in ins]] if self.rank == src else []
         work = self._engine.scatter([t], blocks, _options(ScatterOptions, rootRank=src))
         return self._wrap("scatter", work, back)
 
     def _start_reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
-        t, back = staged(out)
-        if self.backend == "gloo" and t.device.type != "cpu":
-            # gloo reduce-scatters CPU tensors only; the all-reduce of the concatenation gives the same.
-            whole = torch.cat([i.reshape(-1) for i in ins])
-            work = self._engine.allreduce([whole], _reducing(AllreduceOptions, op))
-
-            def done() -> None:
-                t.view(-1).copy_(whole[self.rank * t.numel():(self.rank + 1) * t.numel()])
-                finish_(t, op, self.size)
-                back()
-
-            return self._wrap("reduce_scatter", work, done)
-        work = self._engine.reduce_scatter([t], [[i.contiguous() for i in ins]], _reducing(ReduceScatterOptions, op))
+        t, back = staged(out, self._host_only)
+        blocks = [staged(i, self._host_only)[0] for i in ins]
+        work = self._engine.reduce_scatter([t], [blocks], _reducing(ReduceScatterOptions, op))
         return self._wrap("reduce_scatter", work, lambda: (finish_(t, op, self.size), back()))
 
     def _start_all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], blocking: bool) -> Work:
         # One flat exchange with split sizes: gloo's list form wants one size for every pair of ranks.
-        sent = torch.cat([t.reshape(-1) for t in ins])
+        sent = torch.cat([t.reshape(-1) for t in ins]).to(self._host_only or ins[0].device)
         got = torch.empty(sum(o.numel() for o in outs), dtype=sent.dtype, device=sent.device)
         work = self._engine.alltoall_base(got, sent, [o.numel() for o in outs], [t.numel() for t in ins],
                                           AllToAllOptions())
@@ -230,15 +228,15 @@ class C10dProcessGroup(ProcessGroup):
 
     def _start_barrier(self, blocking: bool) -> Work:
         # NCCL would otherwise guess the GPU from the rank, which is wrong in a subgroup.
-        device = {"device": torch.device("cuda", torch.cuda.current_device())} if self.backend == "nccl" else {}
+        device = {"device": self.device} if self.backend == "nccl" else {}
         return self._wrap("barrier", self._engine.barrier(_options(BarrierOptions, **device)))
 
     def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work:
-        work = self._engine.send([tensor.contiguous()], dst, tag)
+        work = self._engine.send([staged(tensor, self._host_only)[0]], dst, tag)
         return self._wrap("send", work, peer=self.ranks[dst], tag=tag)
 
     def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work:
-        t, back = staged(tensor)
+        t, back = staged(tensor, self._host_only)
         work = self._engine.recv([t], src, tag)
         return self._wrap("recv", work, back, peer=self.ranks[src], tag=tag)
 

@@ -30,6 +30,11 @@ class ProcessGroup(abc.ABC):
         self.size = len(self.ranks)
         self.timeout = timeout
 
+    @property
+    def device(self) -> torch.device:
+        """Where the group's own bookkeeping tensors (flags, lengths) live: NCCL moves GPU tensors only."""
+        return torch.device("cpu")
+
     def group_rank(self, global_rank: int, role: str) -> int:
         """Translate a global rank (as torch.distributed's src/dst arguments are) into ours."""
         if global_rank not in self.ranks:

@@ -13,4 +13,6 @@ def staged(tensor: torch.Tensor, device: str | None = None) -> tuple[torch.Tenso
     if tensor.is_contiguous() and (device is None or tensor.device.type == device):
         return tensor, lambda: None
     copy = tensor.detach().to(device or tensor.device, copy=True).contiguous()
-    return copy, lambda: tensor.copy_(copy)
+    # Detached: writing a result into a parameter is no step autograd should see, and the copy back may
+    # run on a thread outside the caller's no_grad.
+    return copy, lambda: tensor.detach().copy_(copy)

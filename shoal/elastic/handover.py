@@ -20,15 +20,15 @@ def share_state(group: ProcessGroup, state: dict[str, Any] | None) -> dict[str, 
             raise ValueError("share_state: rank 0 must pass the state to share")
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(group.device)
+        length = torch.tensor([payload.numel()], dtype=torch.int64, device=group.device)
     else:
-        length = torch.zeros(1, dtype=torch.int64)
+        length = torch.zeros(1, dtype=torch.int64, device=group.device)
     group.broadcast(length, root).wait()
     if group.rank != 0:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
     group.broadcast(payload, root).wait()
     if group.rank == 0:
         return state
     # On the CPU: load_state_dict moves optimizer state to its parameters' device, wherever rank 0's was.
-    return torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=True)
+    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)

@@ -261,7 +261,7 @@ class DistributedDataParallel(nn.Module):
             # A parameter without a gradient here may have one elsewhere: only one that has none on any
             # rank keeps grad None, as it would in one process.
             flags = torch.tensor([0 if read(p) is None else 1 for b in self.buckets for p in b.params],
-                                 dtype=torch.int32)
+                                 dtype=torch.int32, device=self.process_group.device)
             self.process_group.all_reduce(flags).wait()
             used = iter(flags.tolist())
         for bucket, results in zip(self.buckets, self._drain(), strict=True):
@@ -317,13 +317,13 @@ def _single_device(module: nn.Module, device_ids: list[int | torch.device] | Non
 def _check_same_parameters(named: list[tuple[str, torch.Tensor]], group: ProcessGroup) -> None:
     """Raise on every rank, naming the parameter and the ranks, if replicas differ in structure."""
     mine = json.dumps([[n, list(p.shape), str(p.dtype)] for n, p in named]).encode()
-    length = torch.tensor([len(mine)], dtype=torch.int64)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
+    length = torch.tensor([len(mine)], dtype=torch.int64, device=group.device)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=group.device) for _ in range(group.size)]
     group.all_gather(lengths, length).wait()
     longest = max(int(t.item()) for t in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=group.device)
     padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    everyone = [torch.zeros(longest, dtype=torch.uint8) for _ in range(group.size)]
+    everyone = [torch.zeros(longest, dtype=torch.uint8, device=group.device) for _ in range(group.size)]
     group.all_gather(everyone, padded).wait()
     specs = [json.loads(bytes(t[:int(n.item())].tolist()).decode()) for t, n in zip(everyone, lengths, strict=True)]
     for rank, spec in enumerate(specs):
