@@ -243,6 +243,34 @@ def test_large_tensors_kept_by_both_sides_keep_their_values() -> None:
     assert out["doubled"] == [2 * v for v in out["expected"]]
 
 
+def echo(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return tensors
+
+
+def _both_message_paths(rank: int, world: int, port: int) -> dict:
+    _init(rank, world, port)
+    out = {}
+    if rank == 0:
+        from shoal.rpc.wire import INLINE_BYTES
+
+        small = [torch.tensor([7], dtype=torch.uint8), torch.randn(5, dtype=torch.complex128), torch.arange(3.0)]
+        # Past the limit by one byte: every tensor of the message goes as a frame of its own.
+        large = [torch.tensor([1], dtype=torch.uint8), torch.randn(INLINE_BYTES // 8, dtype=torch.float64)]
+        for name, tensors in (("small", small), ("large", large)):
+            future = rpc.rpc_async("w1", echo, args=(tensors,))
+            sent = [t.clone() for t in tensors]
+            for tensor in tensors:
+                tensor.zero_()  # once rpc_async returns, the caller may change what it sent
+            back = future.wait()
+            out[name] = all(b.dtype == s.dtype and torch.equal(b, s) for b, s in zip(back, sent, strict=True))
+    rpc.shutdown()
+    return out
+
+
+def test_small_and_large_messages_arrive_equal_and_the_caller_may_reuse_its_tensors_at_once() -> None:
+    assert run_ranks(_both_message_paths, 2, backend=None, timeout=60)[0] == {"small": True, "large": True}
+
+
 def test_nested_calls_and_a_call_back_to_the_caller() -> None:
     out = run_ranks(_nested, 3, backend=None, timeout=90)[0]
     assert out["chain"] == ["w2:1", "w1"]

@@ -4,6 +4,7 @@ functions sent by reference, and the message encoding."""
 from __future__ import annotations
 
 import math
+import pickle
 import threading
 import types
 
@@ -14,6 +15,7 @@ from shoal.rpc import Future
 from shoal.rpc.forks import Forks
 from shoal.rpc.message import RemoteError, RemoteTraceback, decode, encode, function_ref, pack_error, unpack_error
 from shoal.rpc.rref import OwnerTable, RRef
+from shoal.rpc.wire import _carried, _with_tensors
 
 # ---- the owner's table ------------------------------------------------------------------------
 
@@ -192,6 +194,28 @@ def test_tensors_travel_out_of_band_and_come_back_equal() -> None:
         assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor.detach()), name
     assert out["values"]["grad"].requires_grad and isinstance(out["values"]["param"], torch.nn.Parameter)
     assert out["again"] is out["values"]["scalar"] and out["text"] == "plain"
+
+
+def test_small_tensors_ride_in_one_frame_at_aligned_offsets_as_copies() -> None:
+    values = {
+        "odd_bytes": torch.tensor([1, 2, 3], dtype=torch.uint8),  # leaves the next tensor unaligned unless padded
+        "complex": torch.randn(3, dtype=torch.complex128),
+        "float64": torch.arange(5, dtype=torch.float64),
+        "empty": torch.empty(0, dtype=torch.int32),
+        "bool": torch.tensor([True, False]),
+        "half": torch.randn(7).half(),
+    }
+    expected = {name: t.clone() for name, t in values.items()}
+    message = encode(values)
+    frame = _with_tensors(pickle.dumps(("header", message.body, [t.numel() for t in message.tensors])),
+                          message.tensors)
+    for tensor in values.values():
+        tensor.zero_()  # the frame holds copies: the sender may change its tensors once it is built
+    (header, body), carried = _carried(frame)
+    assert header == "header" and all(t.data_ptr() % 16 == 0 for t in carried if t.numel())
+    out = decode(body, carried)
+    for name, tensor in expected.items():
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
 
 
 def test_non_cpu_or_sparse_tensors_are_refused() -> None:

@@ -19,7 +19,6 @@ import torch
 
 from shoal.autograd import engine
 from shoal.autograd.registry import contexts
-from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.parallel.ddp import replicas_awaiting_reduction
 from shoal.rpc.current import current_agent
 
@@ -77,7 +76,8 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 def release(context_id: int, covered: frozenset[int] = frozenset()) -> None:
     """End a context here, and tell every worker it reached to do the same, except those in
     `covered` (which others tell). As in PyTorch, nobody waits for the others: they release it as
-    the notices arrive, each telling the workers it reached in turn."""
+    the notices arrive, each telling the workers it reached in turn. The notices leave from a thread
+    of the agent's, so that the next step's first call does not queue behind them."""
     context = contexts.pop(context_id)
     if context is None:
         return
@@ -85,7 +85,4 @@ def release(context_id: int, covered: frozenset[int] = frozenset()) -> None:
     targets = context.workers() - covered - {agent.rank}
     covered = covered | targets | {agent.rank}  # nobody sends it back to where it came from
     for worker in targets:
-        try:
-            agent.notify(worker, release, (context_id, covered))
-        except (PeerFailure, GroupBrokenError):
-            pass  # a worker that died or left took its contexts with it
+        agent.notify_soon(worker, release, (context_id, covered))

@@ -29,6 +29,7 @@ from shoal.rpc.headers import AutogradTag, ForkChange, FunctionRef, Kind, Mode, 
 from shoal.rpc.message import Encoded, decode, encode, function_ref, pack_error, resolve_function, unpack_error
 from shoal.rpc.options import RpcBackendOptions, Timeout, WorkerInfo, timeout_seconds
 from shoal.rpc.outstanding import Call, Outstanding
+from shoal.rpc.releaser import Releaser
 from shoal.rpc.rref import Owned, OwnerTable, RRef
 from shoal.rpc.wire import Wire
 
@@ -68,6 +69,7 @@ class RpcAgent:
         self._pool = ThreadPoolExecutor(options.num_worker_threads, thread_name_prefix=f"shoal-rpc-{self.name}",
                                         initializer=_mark_pool_thread)
         self._wire = Wire(transport, timedelta(seconds=options.rpc_timeout), self.name)
+        self._notices = Releaser(lambda notice: self.notify(*notice), f"shoal-rpc-notices-{self.name}")
         self.rrefs = OwnerTable()
         self._forks = Forks(self.rank, self.rrefs, self.new_id, self._tell_owner,
                             lambda owner, rref_id, fork_id, entry: RRef._make(self, owner, rref_id, fork_id, entry),
@@ -174,6 +176,10 @@ class RpcAgent:
         dst, ref = self.worker(to).id, function_ref(func)
         payload = self._forks.encode_for(dst, (args, {}))
         self._wire.send(dst, Kind.NOTICE, next(self._ids), Request(Mode.CALL, ref), payload)
+
+    def notify_soon(self, to: To, func: Any, args: tuple) -> None:
+        """`notify`, from a thread of ours: returns at once, and the notices leave in the order given."""
+        self._notices.put((to, func, args))
 
     def fetch(self, rref: RRef, timeout: Timeout) -> Future:
         """A copy of a referenced object from its owner (`RRef.to_here`)."""
@@ -371,7 +377,8 @@ class RpcAgent:
         try:
             if graceful:
                 self._outstanding.wait_idle(deadline)
-                self._forks.flush(max(0.0, deadline - time.monotonic()))  # before we say we are done
+                self._notices.flush(max(0.0, deadline - time.monotonic()))  # before we say we are done
+                self._forks.flush(max(0.0, deadline - time.monotonic()))
                 self._wait_for_everyone(deadline)
                 everyone_done = True
         finally:
@@ -402,6 +409,7 @@ class RpcAgent:
     def _tear_down(self, deadline: float | None) -> None:
         """Close everything; with a deadline, also wait until then for calls still being served."""
         self._outstanding.close()
+        self._notices.stop(timeout=5.0)
         self._forks.stop(timeout=5.0)
         self.transport.close(timedelta(seconds=5))
         # Not cancelled: callbacks of the futures failed above are queued there, and a future's

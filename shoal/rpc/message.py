@@ -1,8 +1,8 @@
 """What an RPC message is on the wire, and how functions and errors travel.
 
-A message is a pickled body plus the tensors taken out of it. Each tensor goes as a frame of its
-own, sent from the tensor's memory and received into fresh tensor memory, or used where it lies in
-a shared-memory slot; the body, sent last, refers to them by index. RRefs in a message are
+A message is a pickled body plus the tensors taken out of it, which the body refers to by index.
+How they travel (copied into the body's frame, or each as a frame of its own) is the wire's
+business (`wire.py`). RRefs in a message are
 replaced by tokens the agent hands out (the fork protocol, see `rref.py`). Unpickling runs
 arbitrary code, which is safe here only because every connection proved knowledge of the job
 secret before a byte of it was read.

@@ -1,4 +1,5 @@
-"""Deferred RRef deletions: queued from `__del__`, sent from a thread of their own."""
+"""Messages sent a little later, from a thread of their own: RRef deletions, queued from `__del__`,
+and notices that must not hold up the thread that has them to send."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ log = logging.getLogger(__name__)
 
 class Releaser:
     """`__del__` may run on any thread at any moment (inside a lock, on a connection's reader), so
-    it must not send anything itself: it queues the deletion here, and this thread sends it."""
+    it must not send anything itself: it queues the deletion here, and this thread sends it. A
+    caller on its critical path (a training step that ends a context) queues its notices likewise."""
 
     def __init__(self, send: Callable[[tuple], None], name: str) -> None:
         self._send = send
@@ -24,7 +26,7 @@ class Releaser:
         self._queue.put(item)
 
     def flush(self, timeout: float) -> bool:
-        """Wait until every deletion queued so far has been sent."""
+        """Wait until everything queued so far has been sent."""
         flushed = threading.Event()
         self._queue.put(flushed)
         return flushed.wait(timeout)
@@ -41,5 +43,5 @@ class Releaser:
                 continue
             try:
                 self._send(item)
-            except Exception as exc:  # the owner is gone, and its objects with it
-                log.debug("an RRef deletion could not be sent: %s", exc)
+            except Exception as exc:  # the worker is gone, and its objects and contexts with it
+                log.debug("a deferred message could not be sent: %s", exc)

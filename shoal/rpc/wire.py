@@ -1,12 +1,14 @@
-"""RPC messages over the transport: each tensor as a frame of its own, then the body (typed header
-and payload) that completes the message; on arrival, tensor frames become tensors (fresh ones, or
-views of the shared-memory slot they came in), wait for their body, and the whole message goes to
-the handler registered for its kind."""
+"""RPC messages over the transport. A message whose tensors are small travels as one frame: the
+body (typed header and payload) with copies of the tensors' bytes behind it. Otherwise each tensor
+goes as a frame of its own, sent from its own memory, then the body that completes the message. On
+arrival, tensors become views of the frame they came in (the body's, a fresh buffer, or the
+shared-memory slot), and the whole message goes to the handler registered for its kind."""
 
 from __future__ import annotations
 
 import logging
 import pickle
+import struct
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -26,13 +28,50 @@ log = logging.getLogger(__name__)
 RPC_GROUP = 0xFFFF_FF00
 _SIGNATURE = (0, 0, 0, 0, 0)  # RPC frames are matched by message id, not by a collective's signature
 
+# Tensors of at most this many bytes in all travel copied inside their message's one frame. The
+# copy costs microseconds; a frame per tensor costs a write and a read each, and the sender of
+# tensors sent from their own memory must wait until the peer has them (a round trip).
+INLINE_BYTES = 256 * 1024
+_INLINE = 1 << 31  # in a frame tag: the body carries its tensors
+_ALIGN = 16  # where each carried tensor starts in the frame: any dtype may view it
+_HEAD_LENGTH = struct.Struct("<Q")
+
 # handler(src, message id, header, payload body, tensors)
 Handler = Callable[[int, int, Any, bytes | bytearray, list[torch.Tensor]], None]
 
 
-def _tag(kind: Kind, tensor_count: int) -> int:
-    """The frame tag: message kind and how many tensor frames precede the body."""
-    return kind << 32 | tensor_count
+def _tag(kind: Kind, tensor_count: int, inline: bool) -> int:
+    """The frame tag: message kind, how many tensors the message has, and whether they are in the body
+    (else that many tensor frames precede it)."""
+    return kind << 32 | (_INLINE if inline else 0) | tensor_count
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _with_tensors(head: bytes, tensors: list[torch.Tensor]) -> bytearray:
+    """One frame: the head's length, the head, then each (flat byte) tensor at an aligned offset."""
+    at = _aligned(_HEAD_LENGTH.size + len(head))
+    frame = bytearray(at + sum(_aligned(t.numel()) for t in tensors))
+    _HEAD_LENGTH.pack_into(frame, 0, len(head))
+    frame[_HEAD_LENGTH.size:_HEAD_LENGTH.size + len(head)] = head
+    for tensor in tensors:
+        frame[at:at + tensor.numel()] = as_bytes(tensor)
+        at += _aligned(tensor.numel())
+    return frame
+
+
+def _carried(frame: bytearray) -> tuple[Any, list[torch.Tensor]]:
+    """The head of a frame made by _with_tensors, and its tensors as views of the frame."""
+    (length,) = _HEAD_LENGTH.unpack_from(frame)
+    header, inner, sizes = pickle.loads(memoryview(frame)[_HEAD_LENGTH.size:_HEAD_LENGTH.size + length])
+    at, tensors = _aligned(_HEAD_LENGTH.size + length), []
+    for size in sizes:
+        tensors.append(torch.frombuffer(frame, dtype=torch.uint8, count=size, offset=at) if size
+                       else torch.empty(0, dtype=torch.uint8))
+        at += _aligned(size)
+    return (header, inner), tensors
 
 
 class Wire:
@@ -58,16 +97,23 @@ class Wire:
         if dst == self.rank:  # a message to ourselves: same path, minus the sockets
             self._dispatch(self.rank, kind, msg_id, header, payload.body, [t.clone() for t in payload.tensors])
             return
-        body = pickle.dumps((header, payload.body), protocol=pickle.HIGHEST_PROTOCOL)
-        op = Op(RPC_GROUP, _tag(kind, len(payload.tensors)), msg_id, _SIGNATURE, (dst,), self._stall_timeout,
-                "rpc", lambda sig: "an RPC message")
+        tensors = payload.tensors
+        inline = sum(t.numel() for t in tensors) <= INLINE_BYTES
+        if inline:
+            body = memoryview(_with_tensors(pickle.dumps((header, payload.body, [t.numel() for t in tensors]),
+                                                         protocol=pickle.HIGHEST_PROTOCOL), tensors))
+            tensors = []
+        else:
+            body = memoryview(pickle.dumps((header, payload.body), protocol=pickle.HIGHEST_PROTOCOL))
+        op = Op(RPC_GROUP, _tag(kind, len(payload.tensors), inline), msg_id, _SIGNATURE, (dst,),
+                self._stall_timeout, "rpc", lambda sig: "an RPC message")
         tracker = SendTracker()
         # Acknowledgements are cumulative: the body's covers the tensor frames before it. Only a message
         # with tensors is waited on below; the rest are acknowledged by what comes back.
-        for sub, tensor in enumerate(payload.tensors, start=1):
+        for sub, tensor in enumerate(tensors, start=1):
             self.transport.send(op, dst, sub, as_bytes(tensor), tracker, eager=True, acknowledge=False)
-        self.transport.send(op, dst, 0, memoryview(body), tracker, eager=True, acknowledge=bool(payload.tensors))
-        if payload.tensors:
+        self.transport.send(op, dst, 0, body, tracker, eager=True, acknowledge=bool(tensors))
+        if tensors:
             # Tensor frames are sent from the tensors' own memory: return only once the peer has them,
             # so that a caller (or a callee whose result is a live parameter) may change them in place
             # at once (and a replay after a dropped connection still sends what was sent).
@@ -80,7 +126,7 @@ class Wire:
             self._partial.pop(key, None)
 
     def _on_frame(self, src: int, tag: int, seq: int, sub: int, nbytes: int, payload: Payload) -> None:
-        kind, tensor_count = tag >> 32, tag & 0xFFFF_FFFF
+        kind, inline, tensor_count = tag >> 32, bool(tag & _INLINE), tag & (_INLINE - 1)
         key = (src, kind, seq)
         if sub:
             # A tensor in a shared-memory slot is used where it lies: one copy per hop, not two.
@@ -92,15 +138,15 @@ class Wire:
             return
         body = bytearray(nbytes)
         payload.fill(memoryview(body))
-        tensors = self._partial.pop(key, []) if tensor_count else []
-        if len(tensors) != tensor_count:
-            raise ConnectionError(f"RPC message {seq} from rank {src} came with {len(tensors)} of its "
-                                  f"{tensor_count} tensors")
+        tensors = self._partial.pop(key, []) if tensor_count and not inline else []
         try:
-            kind, (header, inner) = Kind(kind), pickle.loads(body)
+            kind, ((header, inner), tensors) = Kind(kind), _carried(body) if inline else (pickle.loads(body), tensors)
         except Exception:  # one bad message must not take the connection down with it
             log.exception("worker %r: RPC message %d from rank %d has no readable header", self._name, seq, src)
             return
+        if len(tensors) != tensor_count:
+            raise ConnectionError(f"RPC message {seq} from rank {src} came with {len(tensors)} of its "
+                                  f"{tensor_count} tensors")
         self._dispatch(src, kind, seq, header, inner, tensors)
 
     def _dispatch(self, src: int, kind: Kind, msg_id: int, header: Any, body: bytes | bytearray,
