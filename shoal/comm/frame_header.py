@@ -48,17 +48,24 @@ class FrameHeader(NamedTuple):
     def signature(self) -> tuple[int, int, int, int, int]:
         return (self.opcode, self.dtype, self.redop, self.root, self.numel)
 
-    def pack(self) -> bytes:
-        return _LAYOUT.pack(*self)
+    def pack(self, number: int, ack: int) -> bytes:
+        """The header as it goes out: a link numbers its frames, and each carries its latest
+        acknowledgement, only when written."""
+        return _LAYOUT.pack(*self[:_NUMBER], number, ack, self.flags)
 
     @classmethod
     def unpack(cls, data: bytes | bytearray) -> FrameHeader:
         kind, *rest = _LAYOUT.unpack(data)
-        return cls(Kind(kind), *rest)
+        try:
+            return cls(_KINDS[kind], *rest)
+        except KeyError:
+            raise ValueError(f"no frame kind {kind}") from None
 
 
 _LAYOUT = struct.Struct("<BQIqQIBBBiQiQQB")  # in FrameHeader's field order
 SIZE = _LAYOUT.size
+_NUMBER = FrameHeader._fields.index("number")
+_KINDS = {kind.value: kind for kind in Kind}
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:

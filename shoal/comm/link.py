@@ -84,10 +84,10 @@ class _Restarted(Exception):
 
 
 class _Frame:
-    __slots__ = ("header", "payload", "tracker")
+    __slots__ = ("header", "number", "payload", "tracker")
 
-    def __init__(self, header: FrameHeader, payload: memoryview, tracker: SendTracker | None) -> None:
-        self.header, self.payload, self.tracker = header, payload, tracker
+    def __init__(self, header: FrameHeader, number: int, payload: memoryview, tracker: SendTracker | None) -> None:
+        self.header, self.number, self.payload, self.tracker = header, number, payload, tracker
 
 
 class PeerLink:
@@ -198,7 +198,7 @@ class PeerLink:
         with self._state:
             error = self._gone
             if error is None:
-                frame = _Frame(header._replace(number=self._next_number), payload, tracker)
+                frame = _Frame(header, self._next_number, payload, tracker)
                 self._next_number += 1
                 self._window.append(frame)
                 if self._broken:
@@ -229,7 +229,7 @@ class PeerLink:
         if frames:
             self._transmit_all(frames, sock)
         elif self.received > self._acked_out:
-            self._transmit(_Frame(FrameHeader(Kind.ACK), memoryview(b""), None), sock)
+            self._transmit(_Frame(FrameHeader(Kind.ACK), 0, memoryview(b""), None), sock)
 
     def _transmit_all(self, frames: list[_Frame], sock: socket.socket) -> None:
         for frame in frames:
@@ -241,7 +241,7 @@ class PeerLink:
         numbered: a newer one gets the window replayed first). False when the write failed: the link is
         then broken, and the reader heals it."""
         ack = self.received
-        data = frame.header._replace(ack=ack).pack()
+        data = frame.header.pack(frame.number, ack)
         try:
             if flags:
                 try:
@@ -278,7 +278,7 @@ class PeerLink:
                 return  # the replay carries the acknowledgement; a heartbeat can wait
             sock = self._sock
         try:
-            self._transmit(_Frame(FrameHeader(kind), memoryview(b""), None), sock, socket.MSG_DONTWAIT)
+            self._transmit(_Frame(FrameHeader(kind), 0, memoryview(b""), None), sock, socket.MSG_DONTWAIT)
         except _SocketFull:
             self._enqueue(None, memoryview(b""), None)
 
@@ -297,9 +297,14 @@ class PeerLink:
                 self._write_lock.release()
 
     def _acknowledged(self, number: int) -> None:
+        try:
+            if self._window[0].number > number:
+                return  # nothing new: most headers repeat the acknowledgement before them
+        except IndexError:  # nothing is waiting for one
+            return
         settled = []
         with self._state:
-            while self._window and self._window[0].header.number <= number:
+            while self._window and self._window[0].number <= number:
                 settled.append(self._window.popleft())
         for frame in settled:
             if frame.tracker is not None:

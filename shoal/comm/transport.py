@@ -198,7 +198,7 @@ class Transport:
         self._matcher.post(recv)
         return recv
 
-    def send(self, op: Op, dst: int, sub: int, payload: memoryview, tracker: SendTracker, *,
+    def send(self, op: Op, dst: int, sub: int, payload: memoryview, tracker: SendTracker | None, *,
              eager: bool = False, acknowledge: bool = True) -> None:
         """Send frame (op, sub) to `dst` without waiting; `tracker` learns when `payload` may be reused.
 

@@ -1,5 +1,6 @@
 """The typed headers of RPC messages: what a request asks, how its answer went, and the RRef
-bookkeeping between owners and holders. Each travels pickled in front of its payload."""
+bookkeeping between owners and holders. Each travels pickled in front of its payload, as its
+class and field values: a dataclass's own pickling looks its fields up on every message."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class AutogradTag:
     send_id: int | None = None
     forwarded: tuple[tuple[int, int, int, int], ...] = ()  # (index here, origin's rank, send id, index)
 
+    def __reduce__(self) -> tuple:
+        return AutogradTag, (self.context_id, self.send_id, self.forwarded)
+
 
 @dataclass(frozen=True, slots=True)
 class Request:
@@ -48,11 +52,17 @@ class Request:
     fork_id: ForkId | None = None
     autograd: AutogradTag | None = None
 
+    def __reduce__(self) -> tuple:
+        return Request, (self.mode, self.function, self.rref_id, self.fork_id, self.autograd)
+
 
 @dataclass(frozen=True, slots=True)
 class Response:
     ok: bool
     autograd: AutogradTag | None = None
+
+    def __reduce__(self) -> tuple:
+        return Response, (self.ok, self.autograd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,3 +73,6 @@ class ForkChange:
     rref_id: RRefId
     fork_id: ForkId
     holder: int | None = None
+
+    def __reduce__(self) -> tuple:
+        return ForkChange, (self.action, self.rref_id, self.fork_id, self.holder)

@@ -35,7 +35,21 @@ class Encoded:
     grad_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+def _tensor_in_message(*args: Any) -> torch.Tensor:
+    """Stands for a tensor in a pickled body; each unpickler puts its own method in its place."""
+    raise pickle.UnpicklingError("a tensor of an RPC message can only be rebuilt along with the message")
+
+
+def _rref_in_message(token: tuple) -> Any:
+    """Stands for an RRef in a pickled body; each unpickler puts its own method in its place."""
+    raise pickle.UnpicklingError("an RRef of an RPC message can only be rebuilt along with the message")
+
+
 class _Pickler(pickle.Pickler):
+    """Takes tensors out of a body and RRefs through the fork protocol. A reducer override, not a
+    persistent id: pickle asks the latter about every object, the former not about plain ints,
+    strings, tuples, lists and dicts, which are most of a body."""
+
     def __init__(self, file: io.BytesIO, rref_token: RRefToken | None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
@@ -43,12 +57,12 @@ class _Pickler(pickle.Pickler):
         self._index: dict[int, int] = {}
         self._rref_token = rref_token
 
-    def persistent_id(self, obj: Any) -> tuple | None:
+    def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self._tensor(obj)
+            return _tensor_in_message, self._tensor(obj)
         if self._rref_token is not None and getattr(obj, "_is_shoal_rref", False):
-            return ("rref", self._rref_token(obj))
-        return None
+            return _rref_in_message, (self._rref_token(obj),)
+        return NotImplemented
 
     def _tensor(self, tensor: torch.Tensor) -> tuple:
         if tensor.device.type != "cpu" or tensor.layout != torch.strided:
@@ -73,19 +87,22 @@ class _Unpickler(pickle.Unpickler):
         self._adopt_rref = adopt_rref
         self._grad_tensors = grad_tensors
 
-    def persistent_load(self, pid: tuple) -> Any:
-        if pid[0] in ("tensor", "parameter"):
-            kind, index, dtype, shape, requires_grad = pid
-            if index not in self._rebuilt:  # a tensor passed twice arrives as one tensor, as it left
-                tensor = self._tensors[index].view(getattr(torch, dtype)).view(shape)
-                self._rebuilt[index] = (torch.nn.Parameter(tensor, requires_grad=requires_grad) if kind == "parameter"
-                                        else tensor.requires_grad_(requires_grad))
-                if requires_grad and self._grad_tensors is not None:
-                    self._grad_tensors[index] = self._rebuilt[index]
-            return self._rebuilt[index]
-        if pid[0] == "rref" and self._adopt_rref is not None:
-            return self._adopt_rref(pid[1])
-        raise pickle.UnpicklingError(f"unknown reference {pid[0]!r} in an RPC message")
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__:
+            if name == "_tensor_in_message":
+                return self._tensor
+            if name == "_rref_in_message" and self._adopt_rref is not None:
+                return self._adopt_rref
+        return super().find_class(module, name)
+
+    def _tensor(self, kind: str, index: int, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
+        if index not in self._rebuilt:  # a tensor passed twice arrives as one tensor, as it left
+            tensor = self._tensors[index].view(getattr(torch, dtype)).view(shape)
+            self._rebuilt[index] = (torch.nn.Parameter(tensor, requires_grad=requires_grad) if kind == "parameter"
+                                    else tensor.requires_grad_(requires_grad))
+            if requires_grad and self._grad_tensors is not None:
+                self._grad_tensors[index] = self._rebuilt[index]
+        return self._rebuilt[index]
 
 
 def encode(body: Any, rref_token: RRefToken | None = None) -> Encoded:

@@ -107,9 +107,9 @@ class Wire:
             body = memoryview(pickle.dumps((header, payload.body), protocol=pickle.HIGHEST_PROTOCOL))
         op = Op(RPC_GROUP, _tag(kind, len(payload.tensors), inline), msg_id, _SIGNATURE, (dst,),
                 self._stall_timeout, "rpc", lambda sig: "an RPC message")
-        tracker = SendTracker()
         # Acknowledgements are cumulative: the body's covers the tensor frames before it. Only a message
-        # with tensors is waited on below; the rest are acknowledged by what comes back.
+        # with tensor frames is waited on below; the rest are acknowledged by what comes back.
+        tracker = SendTracker() if tensors else None
         for sub, tensor in enumerate(tensors, start=1):
             self.transport.send(op, dst, sub, as_bytes(tensor), tracker, eager=True, acknowledge=False)
         self.transport.send(op, dst, 0, body, tracker, eager=True, acknowledge=bool(tensors))
