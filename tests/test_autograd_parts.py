@@ -1,12 +1,19 @@
 """Distributed autograd's parts in one process: what a context records for messages, where
-gradients are routed, which leaves a pass computes, and which contexts a dead worker ends."""
+gradients are routed, which leaves a pass computes, where a pass's weight goes, and which
+contexts a dead worker ends."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+from types import SimpleNamespace
+
+import pytest
 import torch
 
+from shoal.autograd import engine
 from shoal.autograd.engine import _leaves_reached
 from shoal.autograd.registry import ContextRegistry, originator
+from shoal.rpc import current
 from shoal.rpc.headers import AutogradTag
 
 
@@ -79,3 +86,38 @@ def test_a_pass_computes_gradients_for_every_leaf_reached_once() -> None:
     y = (w * x + b) * w  # w is reached twice, and is also an output itself
     reached = _leaves_reached([y, w])
     assert len(reached) == 2 and {id(t) for t in reached} == {id(w), id(b)}
+
+
+@pytest.fixture
+def notices(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Stand in for rank 2's agent: the notices a pass sends, as (worker, function, args)."""
+    sent: list[tuple] = []
+    agent = SimpleNamespace(rank=2, name="w2", notify=lambda to, func, args: sent.append((to, func, args)))
+    monkeypatch.setattr(current, "_current", agent)
+    return sent
+
+
+def test_a_pass_splits_its_weight_among_the_workers_it_sends_gradients_to_and_returns_none(notices) -> None:
+    context = ContextRegistry()
+    context.started(rank=2)
+    context_id = context.create(2).id
+    from_0, from_1 = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    context.record_recv(0, AutogradTag(context_id, send_id=4), {0: from_0})
+    context.record_recv(1, AutogradTag(context_id, send_id=9), {0: from_1})
+    out = (from_0 * 3 + from_1 * 5).sum()
+    engine.run_pass(context.get(context_id), [out], [torch.tensor(1.0)], False, (7, 11), Fraction(1, 3))
+    assert sorted((to, func, args[3]) for to, func, args in notices) == [
+        (0, engine.gradients_arrive, Fraction(1, 6)), (1, engine.gradients_arrive, Fraction(1, 6))]
+    grads = {to: args[1] for to, _, args in notices}
+    assert grads[0][0][:2] == (4, 0) and torch.equal(grads[0][0][2], torch.full((2,), 3.0))
+    assert grads[1][0][:2] == (9, 0) and torch.equal(grads[1][0][2], torch.full((2,), 5.0))
+
+
+def test_a_pass_that_sends_nothing_on_returns_its_whole_weight_to_the_originator(notices) -> None:
+    context = ContextRegistry()
+    context.started(rank=2)
+    context_id = context.create(2).id
+    w = torch.ones(2, requires_grad=True)
+    engine.run_pass(context.get(context_id), [(w * 2).sum()], [torch.tensor(1.0)], False, (7, 11), Fraction(1, 3))
+    assert notices == [(7, engine.weight_returned, (11, Fraction(1, 3), None))]
+    assert torch.equal(context.get(context_id).gradients()[w], torch.full((2,), 2.0))

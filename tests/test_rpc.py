@@ -22,6 +22,7 @@ import shoal.distributed as dist
 from shoal import rpc
 from shoal.comm import auth, shm
 from shoal.rpc.current import current_agent
+from shoal.rpc.functions import runs_on_reader
 from tests.ranks import run_ranks
 
 
@@ -269,6 +270,41 @@ def _both_message_paths(rank: int, world: int, port: int) -> dict:
 
 def test_small_and_large_messages_arrive_equal_and_the_caller_may_reuse_its_tensors_at_once() -> None:
     assert run_ranks(_both_message_paths, 2, backend=None, timeout=60)[0] == {"small": True, "large": True}
+
+
+_noted: list[tuple[str, str]] = []
+
+
+def note_thread(label: str) -> None:
+    _noted.append((label, threading.current_thread().name))
+
+
+@runs_on_reader
+def note_thread_on_reader(label: str) -> None:
+    note_thread(label)
+
+
+def noted_threads() -> list[tuple[str, str]]:
+    return list(_noted)
+
+
+def _notices(rank: int, world: int, port: int) -> list[tuple[str, str]]:
+    _init(rank, world, port)
+    noted = []
+    if rank == 0:
+        agent = current_agent()
+        agent.notify("w1", note_thread, ("pool",))
+        agent.notify("w1", note_thread_on_reader, ("reader",))
+        wait_until(lambda: len(rpc.rpc_sync("w1", noted_threads)) == 2, "both notices to run")
+        noted = sorted(rpc.rpc_sync("w1", noted_threads))
+    rpc.shutdown()
+    return noted
+
+
+def test_a_notice_runs_on_the_pool_unless_its_function_runs_on_the_reader() -> None:
+    (pool, pool_thread), (reader, reader_thread) = run_ranks(_notices, 2, backend=None, timeout=60)[0]
+    assert (pool, reader) == ("pool", "reader")
+    assert pool_thread.startswith("shoal-rpc-w1") and reader_thread == "shoal-read-0"
 
 
 def test_nested_calls_and_a_call_back_to_the_caller() -> None:

@@ -1,11 +1,12 @@
 """The pieces of shoal.rpc that need no second process: the owner's reference counting, futures,
-functions sent by reference, and the message encoding."""
+functions sent by reference, the message encoding, and the thread pool that serves calls."""
 
 from __future__ import annotations
 
 import math
 import pickle
 import threading
+import time
 import types
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from shoal.rpc import Future
 from shoal.rpc.forks import Forks
 from shoal.rpc.message import RemoteError, RemoteTraceback, decode, encode, function_ref, pack_error, unpack_error
+from shoal.rpc.pool import WorkerPool
 from shoal.rpc.rref import OwnerTable, RRef
 from shoal.rpc.wire import _carried, _with_tensors
 
@@ -251,3 +253,60 @@ def test_callbacks_that_torch_registers_see_the_future_done_and_may_add_their_ow
     torch.futures.collect_all([future]).then(on_all)
     future.set_result(5)
     assert seen == [(True, 5), 5]
+
+
+# ---- the pool that serves calls ------------------------------------------------------------------
+
+def test_the_pool_starts_threads_as_calls_wait_up_to_its_limit_and_runs_every_call() -> None:
+    pool = WorkerPool(3, "grow-pool")
+    all_three_running = threading.Barrier(3)  # broken (and the test failed) if the pool never runs three at once
+    ran, threads, lock = [], set(), threading.Lock()
+
+    def call(i: int) -> None:
+        if i < 3:
+            all_three_running.wait(10)
+        with lock:
+            ran.append(i)
+            threads.add((threading.current_thread().name, pool.on_own_thread()))
+
+    for i in range(20):
+        pool.submit(call, i)
+    started = [t.name for t in threading.enumerate() if t.name.startswith("grow-pool")]
+    pool.shutdown()
+    pool.join(time.monotonic() + 10)
+    assert sorted(ran) == list(range(20))
+    assert sorted(started) == ["grow-pool_0", "grow-pool_1", "grow-pool_2"]
+    assert {name for name, _ in threads} == set(started)
+    assert all(own for _, own in threads) and not pool.on_own_thread()
+
+
+def test_one_thread_runs_calls_in_the_order_submitted() -> None:
+    pool, ran = WorkerPool(1, "order-pool"), []
+    for i in range(100):
+        pool.submit(ran.append, i)
+    pool.shutdown()
+    pool.join(time.monotonic() + 10)
+    assert ran == list(range(100))
+
+
+def test_a_call_that_raises_is_logged_and_the_pool_serves_on(caplog: pytest.LogCaptureFixture) -> None:
+    pool, done = WorkerPool(1, "raise-pool"), threading.Event()
+    pool.submit(math.sqrt, -1.0)
+    pool.submit(done.set)
+    assert done.wait(10)
+    assert "raise-pool: a call on the RPC thread pool raised" in caplog.text and "math domain error" in caplog.text
+    pool.shutdown()
+    pool.join(time.monotonic() + 10)
+
+
+def test_a_shut_pool_refuses_calls_and_its_threads_end_after_those_queued() -> None:
+    pool, gate, ran = WorkerPool(2, "shut-pool"), threading.Event(), []
+    pool.submit(gate.wait, 10)
+    pool.submit(ran.append, "queued")
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(ran.append, "late")
+    gate.set()
+    pool.join(time.monotonic() + 10)
+    assert ran == ["queued"]
+    assert not any(t.name.startswith("shut-pool") and t.is_alive() for t in threading.enumerate())

@@ -6,11 +6,12 @@ made that tensor, which continues from there.
 Only gradients that exist travel: a received tensor that does not lead to the roots gets none,
 and nobody waits for it (PyTorch's engine would wait for every send in the context).
 
-Knowing when the whole graph is done: the originator holds a weight of 1. Every pass hands an
-equal share of the weight it got to each worker it passes gradients on to, and returns the rest to
-the originator when it is done, along with any error. When the originator has all of it back, no
-pass is left anywhere. So the last worker tells the originator directly, instead of every worker
-answering the one before it in turn: one message on the way back, however long the chain.
+Knowing when the whole graph is done: the originator holds a weight of 1. A pass that passes
+gradients on splits the weight it got equally among the workers it sends them to, once its own
+gradients are in the context; a pass that passes none on, or fails, returns its weight to the
+originator (with the error). When the originator has all of it back, no pass is left anywhere. So
+only the ends of the graph tell the originator, directly: along a chain, one message on the way
+back however long it is, where answering the worker before in turn would take one per hop.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from shoal.autograd.context import Context
 from shoal.autograd.registry import contexts
 from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.rpc.current import current_agent
+from shoal.rpc.functions import runs_on_reader
 from shoal.rpc.message import PackedError, pack_error, unpack_error
 
 GradientBatch = list[tuple[int, int, torch.Tensor]]  # (send id, index in that send, gradient)
@@ -92,7 +94,7 @@ def run_pass(context: Context, outputs: Sequence[torch.Tensor], grads: Sequence[
              retain_graph: bool, completion: Completion, weight: Fraction) -> None:
     """Backward from `outputs` through this worker's graph: gradients of leaves made here
     accumulate in the context, those of received tensors go to the workers that made them, each
-    with a share of `weight`; the rest of the weight goes back to the originator."""
+    with an equal share of `weight`, which goes back to the originator if they go nowhere."""
     try:
         leaves = _leaves_reached(outputs)
         found = (torch.autograd.grad(outputs, leaves, grads, retain_graph=retain_graph, allow_unused=True)
@@ -110,18 +112,26 @@ def run_pass(context: Context, outputs: Sequence[torch.Tensor], grads: Sequence[
     except BaseException as exc:
         _give_back(completion, weight, exc)
         return
-    share = weight / (len(onward) + 1)
+    if not onward:
+        _give_back(completion, weight, None)
+        return
+    share = weight / len(onward)
     agent = current_agent()
     for src, batch in onward.items():
         try:
             agent.notify(src, gradients_arrive, (context.id, batch, completion, share))
         except Exception as exc:  # the worker is gone, or the gradients could not be sent
             _give_back(completion, share, exc)
-    _give_back(completion, weight - share * len(onward), None)
 
 
+@runs_on_reader
 def gradients_arrive(context_id: int, batch: GradientBatch, completion: Completion, weight: Fraction) -> None:
-    """On the worker that made these tensors: continue the backward from them."""
+    """On the worker that made these tensors: continue the backward from them, on this worker's
+    thread for passes."""
+    contexts.passes.submit(_continue_pass, context_id, batch, completion, weight)
+
+
+def _continue_pass(context_id: int, batch: GradientBatch, completion: Completion, weight: Fraction) -> None:
     try:
         context = contexts.get(context_id)
         outputs = [context.sent(send_id, index) for send_id, index, _ in batch]
@@ -146,6 +156,7 @@ def _give_back(completion: Completion, weight: Fraction, error: BaseException | 
         pass  # the originator is gone, and its backward with it
 
 
+@runs_on_reader
 def weight_returned(number: int, weight: Fraction, error: PackedError | None) -> None:
     """On the originator: a pass of backward `number` is done, or failed."""
     with _running_lock:

@@ -14,6 +14,7 @@ import torch
 from shoal.autograd.context import Context
 from shoal.rpc import autograd_hook
 from shoal.rpc.headers import AutogradTag
+from shoal.rpc.pool import WorkerPool
 
 _ORIGIN_SHIFT = 48  # a context id is (originating rank << 48) | a number: unique across the job
 
@@ -35,6 +36,10 @@ class ContextRegistry(autograd_hook.AutogradHook):
         self._released: collections.deque[int] = collections.deque(maxlen=65536)
         self._released_ids: set[int] = set()
         self._rank: int | None = None
+        # The one thread that runs the backward passes other workers ask of this one, as torch's
+        # engine has one: the gradients they make (25 MB for an embedding table) come from one malloc
+        # arena, which reuses their memory step after step instead of faulting in fresh pages.
+        self.passes = WorkerPool(1, "shoal-autograd-passes")
         self._thread = threading.local()
         self._failure_listeners: list[Callable[[int], None]] = []
 
@@ -49,6 +54,12 @@ class ContextRegistry(autograd_hook.AutogradHook):
             self._dead.clear()
             self._released.clear()
             self._released_ids.clear()
+            self.passes = WorkerPool(1, "shoal-autograd-passes")
+
+    def stopped(self, deadline: float | None) -> None:
+        self.passes.shutdown()
+        if deadline is not None:
+            self.passes.join(deadline)
 
     # ---- contexts ----------------------------------------------------------------------------
 

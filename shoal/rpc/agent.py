@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -23,24 +21,18 @@ from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.observe import events
 from shoal.rpc import autograd_hook, current
 from shoal.rpc.forks import Forks
-from shoal.rpc.functions import is_async_execution
+from shoal.rpc.functions import is_async_execution, is_run_on_reader
 from shoal.rpc.future import Future
 from shoal.rpc.headers import AutogradTag, ForkChange, FunctionRef, Kind, Mode, Request, Response
 from shoal.rpc.message import Encoded, decode, encode, function_ref, pack_error, resolve_function, unpack_error
 from shoal.rpc.options import RpcBackendOptions, Timeout, WorkerInfo, timeout_seconds
 from shoal.rpc.outstanding import Call, Outstanding
+from shoal.rpc.pool import WorkerPool
 from shoal.rpc.releaser import Releaser
 from shoal.rpc.rref import Owned, OwnerTable, RRef
 from shoal.rpc.wire import Wire
 
 log = logging.getLogger(__name__)
-
-
-_on_pool = threading.local()
-
-
-def _mark_pool_thread() -> None:
-    _on_pool.marked = True
 
 
 def _outcome(done: torch.futures.Future) -> tuple[Any, BaseException | None]:
@@ -66,8 +58,7 @@ class RpcAgent:
         self._ids = itertools.count()
         self._gone: set[int] = set()
         self._outstanding = Outstanding(self.name, lambda rank: self._workers[rank].name)
-        self._pool = ThreadPoolExecutor(options.num_worker_threads, thread_name_prefix=f"shoal-rpc-{self.name}",
-                                        initializer=_mark_pool_thread)
+        self._pool = WorkerPool(options.num_worker_threads, f"shoal-rpc-{self.name}")
         self._wire = Wire(transport, timedelta(seconds=options.rpc_timeout), self.name)
         self._notices = Releaser(lambda notice: self.notify(*notice), f"shoal-rpc-notices-{self.name}")
         self.rrefs = OwnerTable()
@@ -267,10 +258,14 @@ class RpcAgent:
 
         try:
             args, kwargs = decode(body, tensors, self._forks.adopt)
+            on_reader = is_run_on_reader(resolve_function(header.function, self.name))
         except Exception as exc:
             settle(None, exc)
             return
-        self._submit(self._run_function, header.function, args, kwargs, None, settle)
+        if on_reader:
+            self._run_function(header.function, args, kwargs, None, settle)
+        else:
+            self._submit(self._run_function, header.function, args, kwargs, None, settle)
 
     def _run_function(self, ref: FunctionRef, args: tuple, kwargs: dict, tag: AutogradTag | None,
                       settle: Callable[[Any, BaseException | None], None]) -> None:
@@ -295,7 +290,7 @@ class RpcAgent:
     def _on_a_pool_thread(self, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn` here if this is one of our pool's threads, else hand it to the pool: a future may
         complete on any thread, a connection's reader included, where nothing may block."""
-        if getattr(_on_pool, "marked", False):
+        if self._pool.on_own_thread():
             fn(*args)
         else:
             self._submit(fn, *args)
@@ -414,9 +409,10 @@ class RpcAgent:
         self.transport.close(timedelta(seconds=5))
         # Not cancelled: callbacks of the futures failed above are queued there, and a future's
         # callback must run (calls from others that are queued fail fast on the closed transport).
-        self._pool.shutdown(wait=False)
+        self._pool.shutdown()
+        hook = autograd_hook.installed()
+        if hook is not None:
+            hook.stopped(deadline)
         if deadline is not None:
             # A call whose caller gave up may still run here; the deadline bounds shutdown all the same.
-            # (ThreadPoolExecutor offers no public way to join its threads with a timeout.)
-            for thread in list(self._pool._threads):
-                thread.join(max(0.0, deadline - time.monotonic()))
+            self._pool.join(deadline)

@@ -20,6 +20,11 @@ class AutogradHook(ABC):
         """An RPC agent started as `rank`: contexts of an earlier one are gone."""
 
     @abstractmethod
+    def stopped(self, deadline: float | None) -> None:
+        """The RPC agent is shutting down: end the threads started for it, waiting for work in
+        progress until the monotonic `deadline` (not at all without one)."""
+
+    @abstractmethod
     def current_context(self) -> int | None:
         """The id of the context the calling thread is in, if any."""
 
