@@ -213,7 +213,7 @@ def test_small_tensors_ride_in_one_frame_at_aligned_offsets_as_copies() -> None:
                           message.tensors)
     for tensor in values.values():
         tensor.zero_()  # the frame holds copies: the sender may change its tensors once it is built
-    (header, body), carried = _carried(frame)
+    (header, body), carried = _carried(bytearray(frame))  # as received: a buffer of the receiver's own
     assert header == "header" and all(t.data_ptr() % 16 == 0 for t in carried if t.numel())
     out = decode(body, carried)
     for name, tensor in expected.items():

@@ -50,16 +50,16 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _with_tensors(head: bytes, tensors: list[torch.Tensor]) -> bytearray:
-    """One frame: the head's length, the head, then each (flat byte) tensor at an aligned offset."""
-    at = _aligned(_HEAD_LENGTH.size + len(head))
-    frame = bytearray(at + sum(_aligned(t.numel()) for t in tensors))
-    _HEAD_LENGTH.pack_into(frame, 0, len(head))
-    frame[_HEAD_LENGTH.size:_HEAD_LENGTH.size + len(head)] = head
+def _with_tensors(head: bytes, tensors: list[torch.Tensor]) -> bytes:
+    """One frame: the head's length, the head, then each (flat byte) tensor at an aligned offset
+    (joined: one copy of each part, where filling a zeroed buffer wrote every byte twice)."""
+    parts: list[bytes | memoryview] = [_HEAD_LENGTH.pack(len(head)), head]
+    at = _HEAD_LENGTH.size + len(head)
     for tensor in tensors:
-        frame[at:at + tensor.numel()] = as_bytes(tensor)
-        at += _aligned(tensor.numel())
-    return frame
+        padding = _aligned(at) - at
+        parts += [bytes(padding), as_bytes(tensor)]
+        at += padding + tensor.numel()
+    return b"".join(parts)
 
 
 def _carried(frame: bytearray) -> tuple[Any, list[torch.Tensor]]:
