@@ -3,11 +3,13 @@ functions sent by reference, the message encoding, and the thread pool that serv
 
 from __future__ import annotations
 
+import gc
 import math
 import pickle
 import threading
 import time
 import types
+import weakref
 
 import pytest
 import torch
@@ -196,6 +198,19 @@ def test_tensors_travel_out_of_band_and_come_back_equal() -> None:
         assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor.detach()), name
     assert out["values"]["grad"].requires_grad and isinstance(out["values"]["param"], torch.nn.Parameter)
     assert out["again"] is out["values"]["scalar"] and out["text"] == "plain"
+
+
+def test_a_received_tensor_is_freed_as_soon_as_the_body_is_dropped() -> None:
+    """Nothing of the decoding keeps it: a tensor over a lent shared-memory slot holds the slot."""
+    message = encode({"grad": torch.ones(4, requires_grad=True), "plain": torch.arange(3)})
+    gc.disable()  # freed by reference counting alone, not by a collection that happens to run
+    try:
+        out = decode(message.body, _wire(message.tensors), None, {})
+        refs = [weakref.ref(out["grad"]), weakref.ref(out["plain"])]
+        del out
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
 
 
 def test_small_tensors_ride_in_one_frame_at_aligned_offsets_as_copies() -> None:

@@ -78,24 +78,15 @@ class _Pickler(pickle.Pickler):
         return (kind, index, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.requires_grad)
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor], adopt_rref: AdoptRRef | None,
-                 grad_tensors: dict[int, torch.Tensor] | None) -> None:
-        super().__init__(file)
+class _Received:
+    """A message's received tensors, rebuilt as the body refers to them."""
+
+    def __init__(self, tensors: list[torch.Tensor], grad_tensors: dict[int, torch.Tensor] | None) -> None:
         self._tensors = tensors
         self._rebuilt: dict[int, torch.Tensor] = {}
-        self._adopt_rref = adopt_rref
         self._grad_tensors = grad_tensors
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == __name__:
-            if name == "_tensor_in_message":
-                return self._tensor
-            if name == "_rref_in_message" and self._adopt_rref is not None:
-                return self._adopt_rref
-        return super().find_class(module, name)
-
-    def _tensor(self, kind: str, index: int, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
+    def tensor(self, kind: str, index: int, dtype: str, shape: tuple[int, ...], requires_grad: bool) -> torch.Tensor:
         if index not in self._rebuilt:  # a tensor passed twice arrives as one tensor, as it left
             tensor = self._tensors[index].view(getattr(torch, dtype)).view(shape)
             self._rebuilt[index] = (torch.nn.Parameter(tensor, requires_grad=requires_grad) if kind == "parameter"
@@ -103,6 +94,26 @@ class _Unpickler(pickle.Unpickler):
             if requires_grad and self._grad_tensors is not None:
                 self._grad_tensors[index] = self._rebuilt[index]
         return self._rebuilt[index]
+
+
+class _Unpickler(pickle.Unpickler):
+    """Puts the received tensors and RRefs back where the body refers to them. What it hands the
+    body for that must not refer back to the unpickler, which keeps it in its memo: the cycle
+    would hold every tensor of the message (a lent shared-memory slot, say) until a garbage collection."""
+
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor], adopt_rref: AdoptRRef | None,
+                 grad_tensors: dict[int, torch.Tensor] | None) -> None:
+        super().__init__(file)
+        self._received = _Received(tensors, grad_tensors)
+        self._adopt_rref = adopt_rref
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__:
+            if name == "_tensor_in_message":
+                return self._received.tensor
+            if name == "_rref_in_message" and self._adopt_rref is not None:
+                return self._adopt_rref
+        return super().find_class(module, name)
 
 
 def encode(body: Any, rref_token: RRefToken | None = None) -> Encoded:
