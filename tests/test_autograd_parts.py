@@ -4,6 +4,7 @@ contexts a dead worker ends."""
 
 from __future__ import annotations
 
+import time
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -121,3 +122,27 @@ def test_a_pass_that_sends_nothing_on_returns_its_whole_weight_to_the_originator
     engine.run_pass(context.get(context_id), [(w * 2).sum()], [torch.tensor(1.0)], False, (7, 11), Fraction(1, 3))
     assert notices == [(7, engine.weight_returned, (11, Fraction(1, 3), None))]
     assert torch.equal(context.get(context_id).gradients()[w], torch.full((2,), 2.0))
+
+
+def test_gradients_from_another_worker_continue_on_the_passes_thread(notices, monkeypatch) -> None:
+    registry = ContextRegistry()
+    registry.started(rank=2)
+    monkeypatch.setattr(engine, "contexts", registry)
+    context_id = registry.create(2).id
+    w = torch.ones(2, requires_grad=True)
+    tag = registry.record_send(context_id, 0, {0: w * 3})  # sent to rank 0, whose gradient comes back
+    engine.gradients_arrive(context_id, [(tag.send_id, 0, torch.ones(2))], (7, 11), Fraction(1, 2))
+    registry.stopped(time.monotonic() + 10)  # waits for the pass
+    assert notices == [(7, engine.weight_returned, (11, Fraction(1, 2), None))]
+    assert torch.equal(registry.get(context_id).gradients()[w], torch.full((2,), 3.0))
+
+
+def test_a_pass_that_cannot_be_queued_returns_its_weight_with_the_error(notices, monkeypatch) -> None:
+    registry = ContextRegistry()
+    registry.started(rank=2)
+    registry.stopped(None)
+    monkeypatch.setattr(engine, "contexts", registry)
+    engine.gradients_arrive(123, [], (7, 11), Fraction(1, 2))
+    [(to, func, (number, weight, packed))] = notices
+    assert (to, func, number, weight) == (7, engine.weight_returned, 11, Fraction(1, 2))
+    assert "shut down" in packed[2]

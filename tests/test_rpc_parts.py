@@ -3,6 +3,7 @@ functions sent by reference, the message encoding, and the thread pool that serv
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import pickle
@@ -16,6 +17,7 @@ import torch
 
 from shoal.rpc import Future
 from shoal.rpc.forks import Forks
+from shoal.rpc.headers import AutogradTag, ForkChange, Mode, Request, Response
 from shoal.rpc.message import RemoteError, RemoteTraceback, decode, encode, function_ref, pack_error, unpack_error
 from shoal.rpc.pool import WorkerPool
 from shoal.rpc.rref import OwnerTable, RRef
@@ -235,6 +237,19 @@ def test_small_tensors_ride_in_one_frame_at_aligned_offsets_as_copies() -> None:
         assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
 
 
+def test_every_header_field_survives_the_wire() -> None:
+    """Headers pickle as their field values: a field added to the class but not to its
+    __reduce__ would arrive as its default."""
+    tag = AutogradTag(7 << 48 | 3, send_id=9, forwarded=((1, 2, 3, 4),))
+    headers = [tag,
+               Request(Mode.FETCH, ("m", "f"), (1, 2), (3, 4), tag, on_reader=True),
+               Response(ok=False, autograd=tag),
+               ForkChange("delete", (1, 2), (3, 4), holder=5)]
+    for header in headers:
+        assert len(header.__reduce__()[1]) == len(dataclasses.fields(header))
+        assert pickle.loads(pickle.dumps(header)) == header
+
+
 def test_non_cpu_or_sparse_tensors_are_refused() -> None:
     with pytest.raises(TypeError, match="dense CPU tensors"):
         encode(torch.eye(3).to_sparse())
@@ -309,7 +324,7 @@ def test_a_call_that_raises_is_logged_and_the_pool_serves_on(caplog: pytest.LogC
     pool.submit(math.sqrt, -1.0)
     pool.submit(done.set)
     assert done.wait(10)
-    assert "raise-pool: a call on the RPC thread pool raised" in caplog.text and "math domain error" in caplog.text
+    assert "raise-pool: a call on the pool raised" in caplog.text and "math domain error" in caplog.text
     pool.shutdown()
     pool.join(time.monotonic() + 10)
 

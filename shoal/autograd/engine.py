@@ -128,7 +128,10 @@ def run_pass(context: Context, outputs: Sequence[torch.Tensor], grads: Sequence[
 def gradients_arrive(context_id: int, batch: GradientBatch, completion: Completion, weight: Fraction) -> None:
     """On the worker that made these tensors: continue the backward from them, on this worker's
     thread for passes."""
-    contexts.passes.submit(_continue_pass, context_id, batch, completion, weight)
+    try:
+        contexts.passes.submit(_continue_pass, context_id, batch, completion, weight)
+    except RuntimeError as exc:  # shut down with the agent, or no thread to be had
+        _give_back(completion, weight, exc)
 
 
 def _continue_pass(context_id: int, batch: GradientBatch, completion: Completion, weight: Fraction) -> None:

@@ -38,7 +38,9 @@ class ContextRegistry(autograd_hook.AutogradHook):
         self._rank: int | None = None
         # The one thread that runs the backward passes other workers ask of this one, as torch's
         # engine has one: the gradients they make (25 MB for an embedding table) come from one malloc
-        # arena, which reuses their memory step after step instead of faulting in fresh pages.
+        # arena, which reuses their memory step after step instead of faulting in fresh pages. The
+        # price is torch's too: passes run one at a time, so a pass that blocks (a custom autograd
+        # Function making an RPC whose answer needs another pass here) waits out its timeout.
         self.passes = WorkerPool(1, "shoal-autograd-passes")
         self._thread = threading.local()
         self._failure_listeners: list[Callable[[int], None]] = []
@@ -54,6 +56,7 @@ class ContextRegistry(autograd_hook.AutogradHook):
             self._dead.clear()
             self._released.clear()
             self._released_ids.clear()
+            self.passes.shutdown()
             self.passes = WorkerPool(1, "shoal-autograd-passes")
 
     def stopped(self, deadline: float | None) -> None:

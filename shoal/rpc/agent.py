@@ -166,7 +166,8 @@ class RpcAgent:
         known to be gone; nothing tells whether it ran if `to` dies or leaves meanwhile."""
         dst, ref = self.worker(to).id, function_ref(func)
         payload = self._forks.encode_for(dst, (args, {}))
-        self._wire.send(dst, Kind.NOTICE, next(self._ids), Request(Mode.CALL, ref), payload)
+        header = Request(Mode.CALL, ref, on_reader=is_run_on_reader(func))
+        self._wire.send(dst, Kind.NOTICE, next(self._ids), header, payload)
 
     def notify_soon(self, to: To, func: Any, args: tuple) -> None:
         """`notify`, from a thread of ours: returns at once, and the notices leave in the order given."""
@@ -258,11 +259,10 @@ class RpcAgent:
 
         try:
             args, kwargs = decode(body, tensors, self._forks.adopt)
-            on_reader = is_run_on_reader(resolve_function(header.function, self.name))
         except Exception as exc:
             settle(None, exc)
             return
-        if on_reader:
+        if header.on_reader:  # marked by the sender: one of shoal's own quick functions, imported everywhere
             self._run_function(header.function, args, kwargs, None, settle)
         else:
             self._submit(self._run_function, header.function, args, kwargs, None, settle)
@@ -378,7 +378,8 @@ class RpcAgent:
                 everyone_done = True
         finally:
             # Past a deadline, calls may still be running here: the timeout bounds shutdown, so they
-            # are left to finish on their own (the pool's threads are joined at interpreter exit).
+            # are left to finish on their own, or to end with the process (the pool's threads are
+            # daemons: a call that never returns must not keep the interpreter from exiting).
             self._tear_down(deadline if everyone_done else None)
 
     def _wait_for_everyone(self, deadline: float) -> None:

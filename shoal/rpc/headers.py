@@ -51,9 +51,10 @@ class Request:
     rref_id: RRefId | None = None
     fork_id: ForkId | None = None
     autograd: AutogradTag | None = None
+    on_reader: bool = False  # a notice whose receiver runs it on the reader thread (`@runs_on_reader`)
 
     def __reduce__(self) -> tuple:
-        return Request, (self.mode, self.function, self.rref_id, self.fork_id, self.autograd)
+        return Request, (self.mode, self.function, self.rref_id, self.fork_id, self.autograd, self.on_reader)
 
 
 @dataclass(frozen=True, slots=True)

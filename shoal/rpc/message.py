@@ -36,13 +36,16 @@ class Encoded:
 
 
 def _tensor_in_message(*args: Any) -> torch.Tensor:
-    """Stands for a tensor in a pickled body; each unpickler puts its own method in its place."""
+    """Stands for a tensor in a pickled body; the unpickler puts the rebuilding of the message's
+    received tensors in its place."""
     raise pickle.UnpicklingError("a tensor of an RPC message can only be rebuilt along with the message")
 
 
 def _rref_in_message(token: tuple) -> Any:
-    """Stands for an RRef in a pickled body; each unpickler puts its own method in its place."""
-    raise pickle.UnpicklingError("an RRef of an RPC message can only be rebuilt along with the message")
+    """Stands for an RRef in a pickled body; the unpickler puts the fork protocol's adoption in
+    its place, where it has one."""
+    raise pickle.UnpicklingError("an RRef in an RPC message cannot be rebuilt here: no fork protocol "
+                                 "adopts it (only a worker's RPC agent decodes RRefs)")
 
 
 class _Pickler(pickle.Pickler):
@@ -60,7 +63,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return _tensor_in_message, self._tensor(obj)
-        if self._rref_token is not None and getattr(obj, "_is_shoal_rref", False):
+        if self._rref_token is not None and getattr(type(obj), "_is_shoal_rref", False):  # not the class itself
             return _rref_in_message, (self._rref_token(obj),)
         return NotImplemented
 

@@ -1,4 +1,5 @@
-"""The threads that run an agent's served calls and callbacks.
+"""The threads that run an agent's served calls and callbacks (and, one thread of it, the
+backward passes other workers ask of this one).
 
 Each item is a plain function call: the agent answers through messages of its own, so it needs none
 of the per-item futures, condition variables and semaphores of concurrent.futures' pool, whose
@@ -45,8 +46,14 @@ class WorkerPool:
                 self._idle.pop().release()
             elif len(self._threads) < self._max_threads:
                 thread = threading.Thread(target=self._serve, name=f"{self._name}_{len(self._threads)}", daemon=True)
-                self._threads.append(thread)
-                thread.start()
+                try:
+                    thread.start()
+                except RuntimeError:  # the system has no thread to give: those there are will serve it
+                    if not self._threads:
+                        self._calls.pop()
+                        raise
+                else:
+                    self._threads.append(thread)
 
     def on_own_thread(self) -> bool:
         return getattr(_running_on, "pool", None) is self
@@ -80,10 +87,11 @@ class WorkerPool:
                     self._idle.append(wake)
                     fn = None
             if fn is None:
-                wake.acquire()  # woken for a call, which a thread finishing its own may take first
+                # Idle: woken for a call (which a thread finishing its own may take first) or at shutdown.
+                wake.acquire()
                 continue
             try:
                 fn(*args)
             except BaseException:  # the call's own error handling failed: say so, and keep serving
-                log.exception("%s: a call on the RPC thread pool raised", self._name)
+                log.exception("%s: a call on the pool raised", self._name)
             del fn, args  # not kept alive while idle
