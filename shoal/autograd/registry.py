@@ -24,6 +24,15 @@ def originator(context_id: int) -> int:
     return context_id >> _ORIGIN_SHIFT
 
 
+def _passes_thread() -> WorkerPool:
+    """The one thread that runs the backward passes other workers ask of this one, as torch's engine
+    has one: the gradients they make (25 MB for an embedding table) come from one malloc arena, which
+    reuses their memory step after step instead of faulting in fresh pages. The price is torch's
+    too: passes run one at a time, so a pass that blocks (a custom autograd Function making an RPC
+    whose answer needs another pass here) waits out its timeout."""
+    return WorkerPool(1, "shoal-autograd-passes")
+
+
 class ContextRegistry(autograd_hook.AutogradHook):
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -36,12 +45,7 @@ class ContextRegistry(autograd_hook.AutogradHook):
         self._released: collections.deque[int] = collections.deque(maxlen=65536)
         self._released_ids: set[int] = set()
         self._rank: int | None = None
-        # The one thread that runs the backward passes other workers ask of this one, as torch's
-        # engine has one: the gradients they make (25 MB for an embedding table) come from one malloc
-        # arena, which reuses their memory step after step instead of faulting in fresh pages. The
-        # price is torch's too: passes run one at a time, so a pass that blocks (a custom autograd
-        # Function making an RPC whose answer needs another pass here) waits out its timeout.
-        self.passes = WorkerPool(1, "shoal-autograd-passes")
+        self.passes = _passes_thread()
         self._thread = threading.local()
         self._failure_listeners: list[Callable[[int], None]] = []
 
@@ -57,7 +61,7 @@ class ContextRegistry(autograd_hook.AutogradHook):
             self._released.clear()
             self._released_ids.clear()
             self.passes.shutdown()
-            self.passes = WorkerPool(1, "shoal-autograd-passes")
+            self.passes = _passes_thread()
 
     def stopped(self, deadline: float | None) -> None:
         self.passes.shutdown()
