@@ -144,6 +144,27 @@ def test_future_wait_timeout_and_value_before_done() -> None:
         future.wait(5)
 
 
+
+def test_every_thread_waiting_on_a_future_gets_its_value() -> None:
+    future: Future[int] = Future()
+    started = threading.Barrier(5)
+    results: list[int] = []
+
+    def wait() -> None:
+        started.wait(5)
+        results.append(future.wait(5))
+
+    waiters = [threading.Thread(target=wait) for _ in range(4)]
+    for waiter in waiters:
+        waiter.start()
+    started.wait(5)
+    future.set_result(7)
+    for waiter in waiters:
+        waiter.join(10)
+    assert results == [7, 7, 7, 7]
+    assert future.wait(0) == 7  # and later waits return at once
+
+
 # ---- functions by reference -------------------------------------------------------------------
 
 class _Holder:

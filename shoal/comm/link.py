@@ -106,7 +106,10 @@ class PeerLink:
         # One writer at a time (the send thread, an inline sender, an acknowledgement): frames are
         # numbered in the order they are written, and the lane has one writer.
         self._write_lock = threading.Lock()
-        self._state = threading.Condition()  # the window, the socket and the replacement below
+        self._state = threading.Lock()  # the window, the socket and the replacement below
+        # For waiting on a replacement or the end: a plain lock is what the hot paths take, since a
+        # Condition's `with` costs two Python calls per use and a frame takes the lock several times.
+        self._state_changed = threading.Condition(self._state)
         # Frames written and not yet acknowledged: bounded by what the socket buffers and the lane's slots
         # hold unread (the reader acknowledges at once), and while healing by the heal deadline.
         self._window: collections.deque[_Frame] = collections.deque()
@@ -474,7 +477,7 @@ class PeerLink:
             old, self._replacement = self._replacement, (sock, peer_received)
             current = self._sock
             self._broken = True
-            self._state.notify_all()
+            self._state_changed.notify_all()
         if old is not None:
             old[0].close()
         _shut(current)  # the reader, if still on it, moves to the new connection
@@ -516,8 +519,8 @@ class PeerLink:
         delay = 0.05
         while True:
             with self._state:
-                if self._state.wait_for(lambda: self._replacement is not None or self._gone is not None,
-                                        timeout=max(0.0, min(delay, deadline - time.monotonic()))):
+                if self._state_changed.wait_for(lambda: self._replacement is not None or self._gone is not None,
+                                                timeout=max(0.0, min(delay, deadline - time.monotonic()))):
                     if self._gone is not None:
                         raise self._gone
                     found, self._replacement = self._replacement, None
@@ -535,7 +538,7 @@ class PeerLink:
             self._gone = error
             frames = list(self._window)
             self._window.clear()
-            self._state.notify_all()
+            self._state_changed.notify_all()
             replacement, self._replacement = self._replacement, None
         if replacement is not None:
             replacement[0].close()

@@ -88,8 +88,7 @@ class Matcher:
 
     def check_usable(self, op: Op, peer: int | None = None) -> None:
         """Raise if `op` cannot proceed: closed, aborted, a member crashed, or `peer` has left."""
-        if self._closed:
-            raise GroupBrokenError(f"rank {self.rank}: the transport is closed")
+        self._refuse_if_closed()
         if op.ident in self._aborted:
             raise self._aborted[op.ident]
         for rank in (op.ranks if peer is None else (peer, *op.ranks)):
@@ -163,6 +162,17 @@ class Matcher:
             failed += [h.waiter for k, h in self._held.items() if h.waiter is not None and k[1:4] == ident]
         for recv in failed:
             recv.finish(error)
+
+    def check_peer(self, peer: int) -> None:
+        """Raise if nothing more can go to `peer`: closed, or the peer crashed or left."""
+        self._refuse_if_closed()
+        failure = self._lost.get(peer) or self._departed.get(peer)
+        if failure is not None:
+            raise failure
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise GroupBrokenError(f"rank {self.rank}: the transport is closed")
 
     def failure(self, rank: int) -> PeerFailure | None:
         """Why `rank` is gone (crashed or left), or None while it is a member."""

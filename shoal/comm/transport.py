@@ -198,22 +198,30 @@ class Transport:
         self._matcher.post(recv)
         return recv
 
-    def send(self, op: Op, dst: int, sub: int, payload: memoryview, tracker: SendTracker | None, *,
-             eager: bool = False, acknowledge: bool = True) -> None:
-        """Send frame (op, sub) to `dst` without waiting; `tracker` learns when `payload` may be reused.
+    def send(self, op: Op, dst: int, sub: int, payload: memoryview, tracker: SendTracker | None) -> None:
+        """Send frame (op, sub) to `dst` without waiting; `tracker` learns when `payload` may be reused."""
+        self._matcher.check_usable(op, dst)
+        opcode, dtype, redop, root, numel = op.sig
+        header = FrameHeader(Kind.DATA, len(payload), op.group, op.tag, op.seq, sub, opcode, dtype, redop, root,
+                             numel, flags=ACK_NOW)
+        self._links[dst].send(header, payload, tracker)
 
-        `eager` lets the calling thread write a large frame itself when the peer's queue is idle, as
-        it does small ones: right for a caller that waits for the answer anyway (RPC), wrong for one
-        that has other frames to post meanwhile (the ring algorithms).
+    def send_message(self, dst: int, group: int, tag: int, seq: int, sub: int, payload: memoryview,
+                     tracker: SendTracker | None, *, acknowledge: bool) -> None:
+        """Send frame (group, tag, seq, sub) of a served group (`serve`) to `dst`: no operation to match
+        or abort, so only the peer must still be there (fewer calls than `send`, for messages sent one
+        at a time, as RPC's are, where each costs latency).
+
+        The calling thread writes even a large frame itself when the peer's queue is idle, as it does
+        small ones: right for a caller that waits for the answer anyway, wrong for one that has other
+        frames to post meanwhile (the ring algorithms, which use `send`).
 
         `acknowledge=False` lets the peer acknowledge the frame lazily (with whatever it sends back next,
         or its next heartbeat): for a frame nobody waits on, whose tracker may settle late.
         """
-        self._matcher.check_usable(op, dst)
-        opcode, dtype, redop, root, numel = op.sig
-        header = FrameHeader(Kind.DATA, len(payload), op.group, op.tag, op.seq, sub, opcode, dtype, redop, root,
-                             numel, flags=ACK_NOW if acknowledge else 0)
-        self._links[dst].send(header, payload, tracker, eager=eager)
+        self._matcher.check_peer(dst)
+        header = FrameHeader(Kind.DATA, len(payload), group, tag, seq, sub, flags=ACK_NOW if acknowledge else 0)
+        self._links[dst].send(header, payload, tracker, eager=True)
 
     def wait(self, recv: Recv) -> None:
         """Block until `recv` is in (and processed), or its op's deadline passes."""

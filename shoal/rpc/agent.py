@@ -8,7 +8,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +22,7 @@ from shoal.rpc import autograd_hook, current
 from shoal.rpc.forks import Forks
 from shoal.rpc.functions import is_async_execution, is_run_on_reader
 from shoal.rpc.future import Future
-from shoal.rpc.headers import AutogradTag, ForkChange, FunctionRef, Kind, Mode, Request, Response
+from shoal.rpc.headers import AutogradTag, ForkChange, ForkId, FunctionRef, Kind, Mode, Request, Response, RRefId
 from shoal.rpc.message import Encoded, decode, encode, function_ref, pack_error, resolve_function, unpack_error
 from shoal.rpc.options import RpcBackendOptions, Timeout, WorkerInfo, timeout_seconds
 from shoal.rpc.outstanding import Call, Outstanding
@@ -144,7 +143,7 @@ class RpcAgent:
 
     def call(self, to: To, func: Any, args: tuple, kwargs: dict | None, timeout: Timeout) -> Future:
         dst, ref = self.worker(to).id, function_ref(func)
-        return self._request(dst, Request(Mode.CALL, ref), args, kwargs, timeout, f"{ref[0]}.{ref[1]}")
+        return self._request(dst, Mode.CALL, args, kwargs, timeout, f"{ref[0]}.{ref[1]}", function=ref)
 
     def remote(self, to: To, func: Any, args: tuple, kwargs: dict | None, timeout: Timeout) -> RRef:
         dst, ref = self.worker(to).id, function_ref(func)
@@ -156,8 +155,8 @@ class RpcAgent:
             self._run_callback(lambda: self._create(entry, ref, args, kwargs or {}, tag, created))
             return RRef._make(self, self.rank, entry.rref_id, None, entry, created)
         rref_id, fork_id = self.new_id(), self.new_id()
-        created = self._request(dst, Request(Mode.REMOTE, ref, rref_id, fork_id), args, kwargs, timeout,
-                                f"remote {ref[1]}")
+        created = self._request(dst, Mode.REMOTE, args, kwargs, timeout, f"remote {ref[1]}", function=ref,
+                                rref_id=rref_id, fork_id=fork_id)
         return RRef._make(self, dst, rref_id, fork_id, None, created)
 
     def notify(self, to: To, func: Any, args: tuple) -> None:
@@ -175,17 +174,18 @@ class RpcAgent:
 
     def fetch(self, rref: RRef, timeout: Timeout) -> Future:
         """A copy of a referenced object from its owner (`RRef.to_here`)."""
-        return self._request(rref._owner, Request(Mode.FETCH, rref_id=rref._rref_id), (), None, timeout,
-                             "RRef.to_here")
+        return self._request(rref._owner, Mode.FETCH, (), None, timeout, "RRef.to_here", rref_id=rref._rref_id)
 
-    def _request(self, dst: int, header: Request, args: tuple, kwargs: dict | None, timeout: Timeout,
-                 what: str) -> Future:
+    def _request(self, dst: int, mode: Mode, args: tuple, kwargs: dict | None, timeout: Timeout, what: str, *,
+                 function: FunctionRef | None = None, rref_id: RRefId | None = None,
+                 fork_id: ForkId | None = None) -> Future:
         seconds = self.timeout_seconds(timeout)
         future: Future = Future(run_callback=self._run_callback)
         # Arguments are pickled apart from the header, so a callee that cannot rebuild them still
         # knows which call (and which remote object) to report the failure for.
         payload = self._forks.encode_for(dst, (tuple(args), kwargs or {}))
-        header = replace(header, autograd=autograd_hook.outgoing_tag(dst, payload, autograd_hook.current_context()))
+        header = Request(mode, function, rref_id, fork_id,
+                         autograd_hook.outgoing_tag(dst, payload, autograd_hook.current_context()))
         msg_id = next(self._ids)
         started = events.begin()
         if started is not None:
@@ -273,8 +273,16 @@ class RpcAgent:
         the outcome at once or, for an @async_execution function, once its future completes."""
         try:
             func = resolve_function(ref, self.name)
-            with autograd_hook.serving(tag), events.span(f"serve {ref[0]}.{ref[1]}", events.COMPUTE):
-                result = func(*args, **kwargs)
+            started = events.begin()
+            try:
+                if tag is None:  # most calls: no context to enter (and a `with` would cost calls)
+                    result = func(*args, **kwargs)
+                else:
+                    with autograd_hook.serving(tag):
+                        result = func(*args, **kwargs)
+            finally:
+                if started is not None:
+                    events.complete(f"serve {ref[0]}.{ref[1]}", events.COMPUTE, started)
             answers_later = is_async_execution(func)
             if answers_later and not isinstance(result, torch._C.Future):  # then()'s futures are only that
                 raise TypeError(f"{ref[0]}.{ref[1]} is an @async_execution function, so it must return a future, "

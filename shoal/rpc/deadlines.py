@@ -17,13 +17,14 @@ class Deadlines:
         self._is_live = is_live
         self._heap: list[tuple[float, int]] = []
         self._compacted_size = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # taken bare where nothing waits: a Condition's `with` runs Python code
+        self._cond = threading.Condition(self._lock)
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def add(self, deadline: float, key: int) -> None:
-        with self._cond:
+        with self._lock:
             if len(self._heap) >= 2 * self._compacted_size + 1024:
                 # Completed calls pile up until their deadlines: drop them now and then, so a long
                 # stream of fast calls does not grow the heap without bound.

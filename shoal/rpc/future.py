@@ -28,7 +28,12 @@ class Future(torch.futures.Future[T]):
 
     def __init__(self, *, run_callback: Callable[[Callable[[], None]], None] | None = None) -> None:
         super().__init__()
-        self._done = threading.Event()
+        self._done = False
+        # Held until the future completes; a waiter takes it and hands it straight back, so every
+        # waiter gets through. A bare lock, where an Event would cost a Condition per future and a
+        # waiter lock per wait.
+        self._latch = threading.Lock()
+        self._latch.acquire()
         self._lock = threading.Lock()
         self._value: T | None = None
         self._error: BaseException | None = None
@@ -36,13 +41,15 @@ class Future(torch.futures.Future[T]):
         self._run_callback = run_callback
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> T:
         """The value, once it is there; re-raises the call's error. `timeout` (seconds) bounds this
         wait only: an RPC future always completes by its call's own deadline."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"the future did not complete within {timeout:g}s")
+        if not self._done:
+            if not self._latch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+                raise TimeoutError(f"the future did not complete within {timeout:g}s")
+            self._latch.release()
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
@@ -72,7 +79,7 @@ class Future(torch.futures.Future[T]):
 
     def add_done_callback(self, callback: Callable[[Future[T]], None]) -> None:
         with self._lock:
-            if not self._done.is_set():
+            if not self._done:
                 self._callbacks.append(callback)
                 return
         callback(self)
@@ -88,11 +95,12 @@ class Future(torch.futures.Future[T]):
     def _complete(self, value: Any, error: BaseException | None) -> bool:
         """Complete once; later attempts (a late response after a timeout) are ignored."""
         with self._lock:
-            if self._done.is_set():
+            if self._done:
                 return False
             self._value, self._error = value, error
-            self._done.set()
+            self._done = True
             callbacks, self._callbacks = self._callbacks, []
+        self._latch.release()
         # Out of the lock and after `done`: callbacks registered through torch's own functions
         # (collect_all, its then) run in here, on this thread, and may look at this future. As
         # for any torch future, they must not block: it may be a connection's reader thread.

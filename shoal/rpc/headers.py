@@ -28,6 +28,10 @@ class Mode(str, Enum):
     REMOTE = "remote"  # run a function, keep its result as an owned object (remote())
     FETCH = "fetch"  # answer with a copy of an owned object (RRef.to_here())
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """By name, through a builtin: an Enum's own pickling looks the value up in Python code."""
+        return getattr, (Mode, self._name_)  # not .name: a property, in Python
+
 
 @dataclass(frozen=True, slots=True)
 class AutogradTag:

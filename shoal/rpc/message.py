@@ -77,7 +77,8 @@ class _Pickler(pickle.Pickler):
             self.tensors.append(tensor.detach().contiguous().view(-1).view(torch.uint8))
             if tensor.requires_grad:
                 self.grad_tensors[index] = tensor
-        kind = "parameter" if isinstance(tensor, torch.nn.Parameter) else "tensor"
+        # isinstance() of Parameter runs Python code (its metaclass): most tensors are plain ones
+        kind = "tensor" if type(tensor) is torch.Tensor or not isinstance(tensor, torch.nn.Parameter) else "parameter"
         return (kind, index, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor.requires_grad)
 
 

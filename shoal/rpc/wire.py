@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from shoal.comm.frames import Op, Payload, SendTracker
+from shoal.comm.frames import Payload, SendTracker
 from shoal.comm.ring import as_bytes
 from shoal.comm.transport import Transport
 from shoal.rpc.headers import Kind
@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 
 # The transport group whose frames are RPC messages; process groups number theirs up from 0.
 RPC_GROUP = 0xFFFF_FF00
-_SIGNATURE = (0, 0, 0, 0, 0)  # RPC frames are matched by message id, not by a collective's signature
 
 # Tensors of at most this many bytes in all travel copied inside their message's one frame. The
 # copy costs microseconds; a frame per tensor costs a write and a read each, and the sender of
@@ -35,6 +34,7 @@ INLINE_BYTES = 256 * 1024
 _INLINE = 1 << 31  # in a frame tag: the body carries its tensors
 _ALIGN = 16  # where each carried tensor starts in the frame: any dtype may view it
 _HEAD_LENGTH = struct.Struct("<Q")
+_KINDS = {kind.value: kind for kind in Kind}  # a dict lookup: calling an Enum runs Python code
 
 # handler(src, message id, header, payload body, tensors)
 Handler = Callable[[int, int, Any, bytes | bytearray, list[torch.Tensor]], None]
@@ -98,21 +98,21 @@ class Wire:
             self._dispatch(self.rank, kind, msg_id, header, payload.body, [t.clone() for t in payload.tensors])
             return
         tensors = payload.tensors
-        inline = sum(t.numel() for t in tensors) <= INLINE_BYTES
+        inline = sum([t.numel() for t in tensors]) <= INLINE_BYTES
         if inline:
             body = memoryview(_with_tensors(pickle.dumps((header, payload.body, [t.numel() for t in tensors]),
                                                          protocol=pickle.HIGHEST_PROTOCOL), tensors))
             tensors = []
         else:
             body = memoryview(pickle.dumps((header, payload.body), protocol=pickle.HIGHEST_PROTOCOL))
-        op = Op(RPC_GROUP, _tag(kind, len(payload.tensors), inline), msg_id, _SIGNATURE, (dst,),
-                self._stall_timeout, "rpc", lambda sig: "an RPC message")
+        tag = _tag(kind, len(payload.tensors), inline)
         # Acknowledgements are cumulative: the body's covers the tensor frames before it. Only a message
         # with tensor frames is waited on below; the rest are acknowledged by what comes back.
         tracker = SendTracker() if tensors else None
+        send = self.transport.send_message
         for sub, tensor in enumerate(tensors, start=1):
-            self.transport.send(op, dst, sub, as_bytes(tensor), tracker, eager=True, acknowledge=False)
-        self.transport.send(op, dst, 0, body, tracker, eager=True, acknowledge=bool(tensors))
+            send(dst, RPC_GROUP, tag, msg_id, sub, as_bytes(tensor), tracker, acknowledge=False)
+        send(dst, RPC_GROUP, tag, msg_id, 0, body, tracker, acknowledge=bool(tensors))
         if tensors:
             # Tensor frames are sent from the tensors' own memory: return only once the peer has them,
             # so that a caller (or a callee whose result is a live parameter) may change them in place
@@ -140,7 +140,7 @@ class Wire:
         payload.fill(memoryview(body))
         tensors = self._partial.pop(key, []) if tensor_count and not inline else []
         try:
-            kind, ((header, inner), tensors) = Kind(kind), _carried(body) if inline else (pickle.loads(body), tensors)
+            kind, ((header, inner), tensors) = _KINDS[kind], _carried(body) if inline else (pickle.loads(body), tensors)
         except Exception:  # one bad message must not take the connection down with it
             log.exception("worker %r: RPC message %d from rank %d has no readable header", self._name, seq, src)
             return
