@@ -205,6 +205,11 @@ def table(result: dict[str, list[dict]]) -> list[str]:
     for label, stat in ((f"step time, median of {over}", statistics.median), ("step time, p90", _p90)):
         t, s = stat(times["torch"]), stat(times["shoal"])
         lines.append(f"| {label} | {t * 1e3:.2f} ms | {s * 1e3:.2f} ms | {s / t:.2f}x time |")
+    if runs > 1:  # this VM's speed drifts between runs: each round's two runs, taken in turn, drift least
+        ratios = [statistics.median(shoal_run["times"]) / statistics.median(torch_run["times"])
+                  for torch_run, shoal_run in zip(result["torch"], result["shoal"], strict=True)]
+        lines.append(f"| step time, median of the {runs} rounds' ratios (each run's median) | | | "
+                     f"{statistics.median(ratios):.2f}x time ({min(ratios):.2f}-{max(ratios):.2f}x) |")
     t, s = (statistics.median(one["setup"] for one in result[library]) for library in ("torch", "shoal"))
     lines.append(f"| setup: init_rpc, RemoteModules, DistributedOptimizer | {t:.2f} s | {s:.2f} s | "
                  f"{s / t:.2f}x time |")
