@@ -133,3 +133,20 @@ def test_closing_fails_every_waiting_receive() -> None:
     assert isinstance(recv.error, GroupBrokenError)
     with pytest.raises(GroupBrokenError, match="closed"):
         matcher.check_usable(_op(seq=2))
+
+
+def test_a_message_to_a_peer_is_refused_once_the_peer_is_gone_or_the_transport_closed() -> None:
+    matcher, _ = _matcher()
+    matcher.check_peer(1)  # a member: nothing to refuse
+    lost, _ = matcher.peer_lost(1, "its process died")
+    with pytest.raises(PeerFailure) as refused:
+        matcher.check_peer(1)
+    assert refused.value is lost
+    departed = matcher.peer_departed(2)
+    with pytest.raises(PeerFailure) as refused:
+        matcher.check_peer(2)
+    assert refused.value is departed
+    matcher.check_peer(3)
+    matcher.close()
+    with pytest.raises(GroupBrokenError, match="closed"):
+        matcher.check_peer(3)

@@ -144,7 +144,6 @@ def test_future_wait_timeout_and_value_before_done() -> None:
         future.wait(5)
 
 
-
 def test_every_thread_waiting_on_a_future_gets_its_value() -> None:
     future: Future[int] = Future()
     started = threading.Barrier(5)
@@ -163,6 +162,38 @@ def test_every_thread_waiting_on_a_future_gets_its_value() -> None:
         waiter.join(10)
     assert results == [7, 7, 7, 7]
     assert future.wait(0) == 7  # and later waits return at once
+
+
+class _InterruptedRelease:
+    """A future's latch whose completer is interrupted (KeyboardInterrupt) just before releasing it."""
+
+    def __init__(self, latch: threading.Lock) -> None:
+        self._latch = latch
+
+    def acquire(self, timeout: float) -> bool:
+        return self._latch.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        raise KeyboardInterrupt
+
+
+def test_a_waiter_wakes_once_the_future_is_done_even_if_the_latch_is_never_handed_over() -> None:
+    future: Future[int] = Future()
+    future._latch = _InterruptedRelease(future._latch)
+    asleep = threading.Event()
+    results: list[int] = []
+
+    def wait() -> None:
+        asleep.set()
+        results.append(future.wait(30))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    asleep.wait(5)
+    with pytest.raises(KeyboardInterrupt):
+        future.set_result(3)
+    waiter.join(10)  # it looks at `done` again within a slice of its wait, not at its 30 s timeout
+    assert results == [3]
 
 
 # ---- functions by reference -------------------------------------------------------------------
@@ -269,6 +300,8 @@ def test_every_header_field_survives_the_wire() -> None:
     for header in headers:
         assert len(header.__reduce__()[1]) == len(dataclasses.fields(header))
         assert pickle.loads(pickle.dumps(header)) == header
+    for mode in Mode:  # the agent tells modes apart with `is`
+        assert pickle.loads(pickle.dumps(mode)) is mode
 
 
 def test_non_cpu_or_sparse_tensors_are_refused() -> None:

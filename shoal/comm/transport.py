@@ -213,8 +213,9 @@ class Transport:
         at a time, as RPC's are, where each costs latency).
 
         The calling thread writes even a large frame itself when the peer's queue is idle, as it does
-        small ones: right for a caller that waits for the answer anyway, wrong for one that has other
-        frames to post meanwhile (the ring algorithms, which use `send`).
+        small ones (unless it is a connection's reader: see `PeerLink.send`): right for a caller that
+        waits for the answer anyway, wrong for one that has other frames to post meanwhile (the ring
+        algorithms, which use `send`).
 
         `acknowledge=False` lets the peer acknowledge the frame lazily (with whatever it sends back next,
         or its next heartbeat): for a frame nobody waits on, whose tracker may settle late.

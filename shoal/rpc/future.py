@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -10,6 +11,7 @@ import torch
 
 T = TypeVar("T")
 S = TypeVar("S")
+_SLICE_S = 1.0  # how long a waiter sleeps on the latch before it looks at `done` again
 
 
 def _raise(error: BaseException) -> None:
@@ -47,12 +49,23 @@ class Future(torch.futures.Future[T]):
         """The value, once it is there; re-raises the call's error. `timeout` (seconds) bounds this
         wait only: an RPC future always completes by its call's own deadline."""
         if not self._done:
-            if not self._latch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-                raise TimeoutError(f"the future did not complete within {timeout:g}s")
-            self._latch.release()
+            self._await_done(timeout)
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
+
+    def _await_done(self, timeout: float | None) -> None:
+        """Sleep on the latch until the future is done, in slices: a waiter interrupted while it holds
+        the latch, or a completer interrupted before releasing it, must not keep the others asleep once
+        `done` is true."""
+        end = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        while not self._done:
+            left = _SLICE_S if end is None else min(_SLICE_S, end - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"the future did not complete within {timeout:g}s")
+            if self._latch.acquire(timeout=left):
+                self._latch.release()
+                return
 
     def value(self) -> T:
         """The value of a completed future (raising its error); ValueError if it is not done yet."""
