@@ -166,7 +166,7 @@ class Matcher:
     def check_peer(self, peer: int) -> None:
         """Raise if nothing more can go to `peer`: closed, or the peer crashed or left."""
         self._refuse_if_closed()
-        failure = self._lost.get(peer) or self._departed.get(peer)
+        failure = self.failure(peer)
         if failure is not None:
             raise failure
 

@@ -98,9 +98,10 @@ class Wire:
             self._dispatch(self.rank, kind, msg_id, header, payload.body, [t.clone() for t in payload.tensors])
             return
         tensors = payload.tensors
-        inline = sum([t.numel() for t in tensors]) <= INLINE_BYTES
+        sizes = [t.numel() for t in tensors]
+        inline = sum(sizes) <= INLINE_BYTES
         if inline:
-            body = memoryview(_with_tensors(pickle.dumps((header, payload.body, [t.numel() for t in tensors]),
+            body = memoryview(_with_tensors(pickle.dumps((header, payload.body, sizes),
                                                          protocol=pickle.HIGHEST_PROTOCOL), tensors))
             tensors = []
         else:
