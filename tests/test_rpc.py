@@ -21,6 +21,7 @@ import shoal
 import shoal.distributed as dist
 from shoal import rpc
 from shoal.comm import auth, shm
+from shoal.rpc import riders
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import runs_on_reader
 from tests.ranks import run_ranks
@@ -305,6 +306,39 @@ def test_a_notice_runs_on_the_pool_unless_its_function_runs_on_the_reader() -> N
     (pool, pool_thread), (reader, reader_thread) = run_ranks(_notices, 2, backend=None, timeout=60)[0]
     assert (pool, reader) == ("pool", "reader")
     assert pool_thread.startswith("shoal-rpc-w1") and reader_thread == "shoal-read-0"
+
+
+_told = threading.Event()
+
+
+def tell() -> None:
+    _told.set()
+
+
+def _notices_sent_soon(rank: int, world: int, port: int, ride: bool) -> list[str]:
+    """Rank 0 sends w1 a notice soon. To ride, it then calls w1, and the notice may wait an hour for
+    a message, so only that call can bring it; else it calls w1 no more, and the notice goes alone."""
+    riders.WAIT_S = 3600.0 if ride else 0.02
+    _init(rank, world, port)
+    if rank == 0:
+        current_agent().notify_soon("w1", note_thread_on_reader, ("soon",))
+        if ride:
+            wait_until(lambda: rpc.rpc_sync("w1", noted_threads) != [], "the notice to ride on a call")
+        else:
+            assert _told.wait(20.0), "w1 never got the notice"
+    elif not ride:
+        wait_until(lambda: _noted != [], "the notice to arrive alone")
+        rpc.rpc_sync("w0", tell)
+    rpc.shutdown()
+    return [label for label, _ in _noted]
+
+
+def test_a_notice_sent_soon_rides_on_the_next_call_to_its_worker() -> None:
+    assert run_ranks(_notices_sent_soon, 2, True, backend=None, timeout=60)[1] == ["soon"]
+
+
+def test_a_notice_sent_soon_with_nothing_to_ride_on_goes_alone() -> None:
+    assert run_ranks(_notices_sent_soon, 2, False, backend=None, timeout=60)[1] == ["soon"]
 
 
 def test_nested_calls_and_a_call_back_to_the_caller() -> None:

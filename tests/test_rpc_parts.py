@@ -20,6 +20,7 @@ from shoal.rpc.forks import Forks
 from shoal.rpc.headers import AutogradTag, ForkChange, Mode, Request, Response
 from shoal.rpc.message import RemoteError, RemoteTraceback, decode, encode, function_ref, pack_error, unpack_error
 from shoal.rpc.pool import WorkerPool
+from shoal.rpc.riders import Riders
 from shoal.rpc.rref import OwnerTable, RRef
 from shoal.rpc.wire import _carried, _with_tensors
 
@@ -394,3 +395,71 @@ def test_a_shut_pool_refuses_calls_and_its_threads_end_after_those_queued() -> N
     pool.join(time.monotonic() + 10)
     assert ran == ["queued"]
     assert not any(t.name.startswith("shut-pool") and t.is_alive() for t in threading.enumerate())
+
+
+# ---- notices waiting to ride on a message -------------------------------------------------------
+
+class _Sent:
+    """Records what Riders sends alone, and lets a test wait for it."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[int, tuple]] = []
+        self.arrived = threading.Event()
+
+    def __call__(self, dst: int, riders: tuple) -> None:
+        self.messages.append((dst, riders))
+        self.arrived.set()
+
+
+def _rider(n: int) -> tuple:
+    return (("module", "function"), False, (n,))
+
+
+def test_notices_wait_for_a_message_to_their_worker_and_ride_in_the_order_given() -> None:
+    sent = _Sent()
+    riders = Riders(sent, "test-riders")
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("shoal.rpc.riders.WAIT_S", 60.0)  # nothing goes alone during the test
+            for n in range(3):
+                riders.add(1, _rider(n))
+            riders.add(2, _rider(9))
+        assert riders.take(1) == (_rider(0), _rider(1), _rider(2))
+        assert riders.take(1) == ()  # taken once: the message that carries them is the only one
+        riders.drop(2)  # worker 2 died
+        assert riders.take(2) == ()
+        assert riders.flush(10.0) and sent.messages == []  # none left to send alone
+    finally:
+        riders.stop(5.0)
+
+
+def test_a_notice_that_finds_no_message_goes_alone_and_only_once() -> None:
+    sent = _Sent()
+    riders = Riders(sent, "test-riders")
+    try:
+        riders.add(3, _rider(1))
+        riders.add(3, _rider(2))
+        assert sent.arrived.wait(10.0), "the notices never went alone"
+        assert sent.messages == [(3, (_rider(1), _rider(2)))]
+        assert riders.take(3) == ()
+    finally:
+        riders.stop(5.0)
+
+
+def test_a_flush_sends_every_waiting_notice_at_once() -> None:
+    sent = _Sent()
+    riders = Riders(sent, "test-riders")
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("shoal.rpc.riders.WAIT_S", 60.0)
+            riders.add(1, _rider(1))
+            riders.add(2, _rider(2))
+        assert riders.flush(10.0)  # long before the 60 s are up
+        assert sorted(sent.messages) == [(1, (_rider(1),)), (2, (_rider(2),))]
+    finally:
+        riders.stop(5.0)
+
+
+def test_a_request_with_riders_pickles_them_with_it() -> None:
+    request = Request(Mode.CALL, ("m", "f"), riders=(_rider(1), _rider(2)))
+    assert pickle.loads(pickle.dumps(request)) == request

@@ -21,6 +21,7 @@ from shoal.autograd import engine
 from shoal.autograd.registry import contexts
 from shoal.parallel.ddp import replicas_awaiting_reduction
 from shoal.rpc.current import current_agent
+from shoal.rpc.functions import runs_on_reader
 
 
 class context:  # torch.distributed.autograd's name, used as `with dist_autograd.context()`
@@ -73,11 +74,12 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     return contexts.get(context_id).gradients()
 
 
+@runs_on_reader
 def release(context_id: int, covered: frozenset[int] = frozenset()) -> None:
     """End a context here, and tell every worker it reached to do the same, except those in
     `covered` (which others tell). As in PyTorch, nobody waits for the others: they release it as
-    the notices arrive, each telling the workers it reached in turn. The notices leave from a thread
-    of the agent's, so that the next step's first call does not queue behind them."""
+    the notices arrive, each telling the workers it reached in turn. The notices are sent soon, not
+    now: most ride on the next step's first call to each worker, at no cost of their own."""
     context = contexts.pop(context_id)
     if context is None:
         return

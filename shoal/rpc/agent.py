@@ -22,12 +22,12 @@ from shoal.rpc import autograd_hook, current
 from shoal.rpc.forks import Forks
 from shoal.rpc.functions import is_async_execution, is_run_on_reader
 from shoal.rpc.future import Future
-from shoal.rpc.headers import AutogradTag, ForkChange, ForkId, FunctionRef, Kind, Mode, Request, Response, RRefId
+from shoal.rpc.headers import AutogradTag, ForkChange, ForkId, FunctionRef, Kind, Mode, Request, Response, Rider, RRefId
 from shoal.rpc.message import Encoded, decode, encode, function_ref, pack_error, resolve_function, unpack_error
 from shoal.rpc.options import RpcBackendOptions, Timeout, WorkerInfo, timeout_seconds
 from shoal.rpc.outstanding import Call, Outstanding
 from shoal.rpc.pool import WorkerPool
-from shoal.rpc.releaser import Releaser
+from shoal.rpc.riders import Riders
 from shoal.rpc.rref import Owned, OwnerTable, RRef
 from shoal.rpc.wire import Wire
 
@@ -42,6 +42,7 @@ def _outcome(done: torch.futures.Future) -> tuple[Any, BaseException | None]:
         return None, exc
 
 To = str | int | WorkerInfo
+_NO_ARGUMENTS = encode(((), {}))
 
 
 class RpcAgent:
@@ -59,7 +60,7 @@ class RpcAgent:
         self._outstanding = Outstanding(self.name, lambda rank: self._workers[rank].name)
         self._pool = WorkerPool(options.num_worker_threads, f"shoal-rpc-{self.name}")
         self._wire = Wire(transport, timedelta(seconds=options.rpc_timeout), self.name)
-        self._notices = Releaser(lambda notice: self.notify(*notice), f"shoal-rpc-notices-{self.name}")
+        self._riders = Riders(self._send_riders, f"shoal-rpc-notices-{self.name}")
         self.rrefs = OwnerTable()
         self._forks = Forks(self.rank, self.rrefs, self.new_id, self._tell_owner,
                             lambda owner, rref_id, fork_id, entry: RRef._make(self, owner, rref_id, fork_id, entry),
@@ -165,12 +166,18 @@ class RpcAgent:
         known to be gone; nothing tells whether it ran if `to` dies or leaves meanwhile."""
         dst, ref = self.worker(to).id, function_ref(func)
         payload = self._forks.encode_for(dst, (args, {}))
-        header = Request(Mode.CALL, ref, on_reader=is_run_on_reader(func))
+        header = Request(Mode.CALL, ref, on_reader=is_run_on_reader(func), riders=self._riders.take(dst))
         self._wire.send(dst, Kind.NOTICE, next(self._ids), header, payload)
 
     def notify_soon(self, to: To, func: Any, args: tuple) -> None:
-        """`notify`, from a thread of ours: returns at once, and the notices leave in the order given."""
-        self._notices.put((to, func, args))
+        """`notify`, later: the notice rides on the next request or notice this worker sends to `to`,
+        or goes alone after a few milliseconds (riders.py). Returns at once. Notices sent soon to one
+        worker run there in the order given; `args` must be plain data (no tensors, no RRefs)."""
+        self._riders.add(self.worker(to).id, (function_ref(func), is_run_on_reader(func), args))
+
+    def _send_riders(self, dst: int, riders: tuple[Rider, ...]) -> None:
+        """A notice of no function of its own, carrying `riders` (which found no message to ride on)."""
+        self._wire.send(dst, Kind.NOTICE, next(self._ids), Request(Mode.CALL, riders=riders), _NO_ARGUMENTS)
 
     def fetch(self, rref: RRef, timeout: Timeout) -> Future:
         """A copy of a referenced object from its owner (`RRef.to_here`)."""
@@ -185,7 +192,8 @@ class RpcAgent:
         # knows which call (and which remote object) to report the failure for.
         payload = self._forks.encode_for(dst, (tuple(args), kwargs or {}))
         header = Request(mode, function, rref_id, fork_id,
-                         autograd_hook.outgoing_tag(dst, payload, autograd_hook.current_context()))
+                         autograd_hook.outgoing_tag(dst, payload, autograd_hook.current_context()),
+                         riders=self._riders.take(dst))
         msg_id = next(self._ids)
         started = events.begin()
         if started is not None:
@@ -240,32 +248,46 @@ class RpcAgent:
             if entry is not None:
                 entry.value.set_exception(exc)
             self._submit(self._reply, src, msg_id, None, exc, None)
-            return
-        if mode is Mode.CALL:
-            self._submit(self._run_function, header.function, args, kwargs, tag,
-                         lambda value, error: self._reply(src, msg_id, value, error, tag))
-        elif mode is Mode.REMOTE:
-            self._submit(self._serve_remote, src, msg_id, header.function, args, kwargs, entry, tag)
-        elif mode is Mode.FETCH:
-            owned = self.rrefs.entry(header.rref_id)
-            owned.value.add_done_callback(
-                lambda done: self._on_a_pool_thread(self._reply, src, msg_id, *_outcome(done), tag))
+        else:
+            if mode is Mode.CALL:
+                self._submit(self._run_function, header.function, args, kwargs, tag,
+                             lambda value, error: self._reply(src, msg_id, value, error, tag))
+            elif mode is Mode.REMOTE:
+                self._submit(self._serve_remote, src, msg_id, header.function, args, kwargs, entry, tag)
+            elif mode is Mode.FETCH:
+                owned = self.rrefs.entry(header.rref_id)
+                owned.value.add_done_callback(
+                    lambda done: self._on_a_pool_thread(self._reply, src, msg_id, *_outcome(done), tag))
+        if header.riders:
+            self._run_riders(src, header.riders)
 
     def _on_notice(self, src: int, msg_id: int, header: Request, body: bytes | bytearray,
                    tensors: list[torch.Tensor]) -> None:
+        if header.function is not None:
+            try:
+                args, kwargs = decode(body, tensors, self._forks.adopt)
+            except Exception as exc:
+                log.error("worker %r: notice %s.%s from rank %d could not be read: %r", self.name, *header.function,
+                          src, exc)
+            else:
+                self._run_notice(src, header.function, header.on_reader, args, kwargs)
+        self._run_riders(src, header.riders)
+
+    def _run_riders(self, src: int, riders: tuple[Rider, ...]) -> None:
+        """Run the notices that came along with a message, after the message itself is under way:
+        nobody waits for them, and they promise no order but their own."""
+        for function, on_reader, args in riders:
+            self._run_notice(src, function, on_reader, args, {})
+
+    def _run_notice(self, src: int, ref: FunctionRef, on_reader: bool, args: tuple, kwargs: dict) -> None:
         def settle(value: Any, error: BaseException | None) -> None:
             if error is not None:  # nobody waits for an answer: this log is all that is left of it
-                log.error("worker %r: notice %s.%s from rank %d failed: %r", self.name, *header.function, src, error)
+                log.error("worker %r: notice %s.%s from rank %d failed: %r", self.name, *ref, src, error)
 
-        try:
-            args, kwargs = decode(body, tensors, self._forks.adopt)
-        except Exception as exc:
-            settle(None, exc)
-            return
-        if header.on_reader:  # marked by the sender: one of shoal's own quick functions, imported everywhere
-            self._run_function(header.function, args, kwargs, None, settle)
+        if on_reader:  # marked by the sender: one of shoal's own quick functions, imported everywhere
+            self._run_function(ref, args, kwargs, None, settle)
         else:
-            self._submit(self._run_function, header.function, args, kwargs, None, settle)
+            self._submit(self._run_function, ref, args, kwargs, None, settle)
 
     def _run_function(self, ref: FunctionRef, args: tuple, kwargs: dict, tag: AutogradTag | None,
                       settle: Callable[[Any, BaseException | None], None]) -> None:
@@ -366,6 +388,7 @@ class RpcAgent:
         rank = error.rank
         self._gone.add(rank)
         self._wire.forget(rank)
+        self._riders.drop(rank)
         self._outstanding.fail_calls_to(rank, PeerFailure(rank, f"worker {self._workers[rank].name!r}: {error.detail}"))
         self.rrefs.drop_holder(rank)
         hook = autograd_hook.installed()
@@ -380,7 +403,7 @@ class RpcAgent:
         try:
             if graceful:
                 self._outstanding.wait_idle(deadline)
-                self._notices.flush(max(0.0, deadline - time.monotonic()))  # before we say we are done
+                self._riders.flush(max(0.0, deadline - time.monotonic()))  # before we say we are done
                 self._forks.flush(max(0.0, deadline - time.monotonic()))
                 self._wait_for_everyone(deadline)
                 everyone_done = True
@@ -413,7 +436,7 @@ class RpcAgent:
     def _tear_down(self, deadline: float | None) -> None:
         """Close everything; with a deadline, also wait until then for calls still being served."""
         self._outstanding.close()
-        self._notices.stop(timeout=5.0)
+        self._riders.stop(timeout=5.0)
         self._forks.stop(timeout=5.0)
         self.transport.close(timedelta(seconds=5))
         # Not cancelled: callbacks of the futures failed above are queued there, and a future's

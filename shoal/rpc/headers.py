@@ -10,6 +10,9 @@ from enum import Enum
 FunctionRef = tuple[str, str]  # (module, qualified name)
 RRefId = tuple[int, int]  # (rank that created it, number)
 ForkId = tuple[int, int]
+# A notice riding in a request's header (riders.py): its function, whether the receiver runs it on
+# the reader thread, and its arguments, plain data pickled with the header.
+Rider = tuple[FunctionRef, bool, tuple]
 
 
 class Kind(int, Enum):
@@ -56,9 +59,11 @@ class Request:
     fork_id: ForkId | None = None
     autograd: AutogradTag | None = None
     on_reader: bool = False  # a notice whose receiver runs it on the reader thread (`@runs_on_reader`)
+    riders: tuple[Rider, ...] = ()  # notices for the receiver that came along (a notice of none's own: no function)
 
     def __reduce__(self) -> tuple:
-        return Request, (self.mode, self.function, self.rref_id, self.fork_id, self.autograd, self.on_reader)
+        return Request, (self.mode, self.function, self.rref_id, self.fork_id, self.autograd, self.on_reader,
+                         self.riders)
 
 
 @dataclass(frozen=True, slots=True)

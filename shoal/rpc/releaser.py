@@ -1,5 +1,4 @@
-"""Messages sent a little later, from a thread of their own: RRef deletions, queued from `__del__`,
-and notices that must not hold up the thread that has them to send."""
+"""RRef deletions, queued from `__del__` and sent a little later from a thread of their own."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ log = logging.getLogger(__name__)
 
 class Releaser:
     """`__del__` may run on any thread at any moment (inside a lock, on a connection's reader), so
-    it must not send anything itself: it queues the deletion here, and this thread sends it. A
-    caller on its critical path (a training step that ends a context) queues its notices likewise."""
+    it must not send anything itself: it queues the deletion here, and this thread sends it."""
 
     def __init__(self, send: Callable[[tuple], None], name: str) -> None:
         self._send = send
