@@ -321,11 +321,17 @@ def _notices_sent_soon(rank: int, world: int, port: int, ride: bool) -> list[str
     riders.WAIT_S = 3600.0 if ride else 0.02
     _init(rank, world, port)
     if rank == 0:
-        current_agent().notify_soon("w1", note_thread_on_reader, ("soon",))
+        agent = current_agent()
+        alone = []
+        send_alone = agent._riders._send_alone
+        agent._riders._send_alone = lambda dst, riders: (alone.append(dst), send_alone(dst, riders))
+        agent.notify_soon("w1", note_thread_on_reader, ("soon",))
         if ride:
             wait_until(lambda: rpc.rpc_sync("w1", noted_threads) != [], "the notice to ride on a call")
+            assert alone == []
         else:
             assert _told.wait(20.0), "w1 never got the notice"
+            assert alone == [1]
     elif not ride:
         wait_until(lambda: _noted != [], "the notice to arrive alone")
         rpc.rpc_sync("w0", tell)

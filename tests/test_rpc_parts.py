@@ -415,7 +415,7 @@ def _rider(n: int) -> tuple:
     return (("module", "function"), False, (n,))
 
 
-def test_notices_wait_for_a_message_to_their_worker_and_ride_in_the_order_given() -> None:
+def test_notices_wait_for_a_message_to_their_worker_and_ride_together() -> None:
     sent = _Sent()
     riders = Riders(sent, "test-riders")
     try:
@@ -437,13 +437,26 @@ def test_a_notice_that_finds_no_message_goes_alone_and_only_once() -> None:
     sent = _Sent()
     riders = Riders(sent, "test-riders")
     try:
-        riders.add(3, _rider(1))
-        riders.add(3, _rider(2))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("shoal.rpc.riders.WAIT_S", 0.5)  # both are in long before the first is due
+            riders.add(3, _rider(1))
+            riders.add(3, _rider(2))
         assert sent.arrived.wait(10.0), "the notices never went alone"
+        assert riders.flush(10.0)  # anything sent twice would be sent by now
         assert sent.messages == [(3, (_rider(1), _rider(2)))]
         assert riders.take(3) == ()
     finally:
         riders.stop(5.0)
+
+
+def test_notices_still_waiting_are_sent_when_the_thread_stops() -> None:
+    sent = _Sent()
+    riders = Riders(sent, "test-riders")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("shoal.rpc.riders.WAIT_S", 60.0)
+        riders.add(1, _rider(1))
+    riders.stop(10.0)
+    assert sent.messages == [(1, (_rider(1),))]
 
 
 def test_a_flush_sends_every_waiting_notice_at_once() -> None:

@@ -171,8 +171,8 @@ class RpcAgent:
 
     def notify_soon(self, to: To, func: Any, args: tuple) -> None:
         """`notify`, later: the notice rides on the next request or notice this worker sends to `to`,
-        or goes alone after a few milliseconds (riders.py). Returns at once. Notices sent soon to one
-        worker run there in the order given; `args` must be plain data (no tensors, no RRefs)."""
+        or goes alone after a few milliseconds (riders.py). Returns at once. No order is promised,
+        among these notices or with other messages; `args` must be plain data (no tensors, no RRefs)."""
         self._riders.add(self.worker(to).id, (function_ref(func), is_run_on_reader(func), args))
 
     def _send_riders(self, dst: int, riders: tuple[Rider, ...]) -> None:
@@ -239,16 +239,17 @@ class RpcAgent:
         # Runs on the reader thread, in arrival order: RRef forks in the arguments and the entry of
         # a remote() call are registered before any later message from the same worker is seen.
         mode, tag = header.mode, header.autograd
-        entry = self.rrefs.created_remotely(header.rref_id, header.fork_id, src) if mode is Mode.REMOTE else None
         try:
-            grad_tensors: dict[int, torch.Tensor] = {}
-            args, kwargs = decode(body, tensors, self._forks.adopt, grad_tensors)
-            autograd_hook.record_arrival(src, tag, grad_tensors)
-        except Exception as exc:
-            if entry is not None:
-                entry.value.set_exception(exc)
-            self._submit(self._reply, src, msg_id, None, exc, None)
-        else:
+            entry = self.rrefs.created_remotely(header.rref_id, header.fork_id, src) if mode is Mode.REMOTE else None
+            try:
+                grad_tensors: dict[int, torch.Tensor] = {}
+                args, kwargs = decode(body, tensors, self._forks.adopt, grad_tensors)
+                autograd_hook.record_arrival(src, tag, grad_tensors)
+            except Exception as exc:
+                if entry is not None:
+                    entry.value.set_exception(exc)
+                self._submit(self._reply, src, msg_id, None, exc, None)
+                return
             if mode is Mode.CALL:
                 self._submit(self._run_function, header.function, args, kwargs, tag,
                              lambda value, error: self._reply(src, msg_id, value, error, tag))
@@ -258,8 +259,9 @@ class RpcAgent:
                 owned = self.rrefs.entry(header.rref_id)
                 owned.value.add_done_callback(
                     lambda done: self._on_a_pool_thread(self._reply, src, msg_id, *_outcome(done), tag))
-        if header.riders:
-            self._run_riders(src, header.riders)
+        finally:  # whatever became of the request
+            if header.riders:
+                self._run_riders(src, header.riders)
 
     def _on_notice(self, src: int, msg_id: int, header: Request, body: bytes | bytearray,
                    tensors: list[torch.Tensor]) -> None:
@@ -275,7 +277,7 @@ class RpcAgent:
 
     def _run_riders(self, src: int, riders: tuple[Rider, ...]) -> None:
         """Run the notices that came along with a message, after the message itself is under way:
-        nobody waits for them, and they promise no order but their own."""
+        nobody waits for them, and they promise no order."""
         for function, on_reader, args in riders:
             self._run_notice(src, function, on_reader, args, {})
 

@@ -24,8 +24,9 @@ WAIT_S = 0.02  # how long a notice waits for a message to ride on
 
 
 class Riders:
-    """Notices waiting, per destination rank, in the order given; `send_alone(dst, riders)` sends
-    those that waited `WAIT_S` in a message of their own."""
+    """Notices waiting, per destination rank; `send_alone(dst, riders)` sends those that waited
+    `WAIT_S` in a message of their own. Each notice goes exactly once; no order is promised (a
+    message that took some may reach the wire after one that took later ones)."""
 
     def __init__(self, send_alone: Callable[[int, tuple[Rider, ...]], None], name: str) -> None:
         self._send_alone = send_alone
@@ -64,7 +65,7 @@ class Riders:
         return flushed.wait(timeout)
 
     def stop(self, timeout: float) -> None:
-        """End the thread; notices still waiting are dropped (`flush` first to send them)."""
+        """Send what still waits (a release passed on during shutdown, say), then end the thread."""
         self._due.put(None)
         self._thread.join(timeout)
 
@@ -79,15 +80,19 @@ class Riders:
             except queue.Empty:
                 continue
             if item is None:
+                self._send_all()
                 return
             if isinstance(item, threading.Event):
-                with self._lock:
-                    destinations = list(self._waiting)
-                for dst in destinations:
-                    self._send(dst)
+                self._send_all()
                 item.set()
             else:
                 due.append(item)
+
+    def _send_all(self) -> None:
+        with self._lock:
+            destinations = list(self._waiting)
+        for dst in destinations:
+            self._send(dst)
 
     def _send(self, dst: int) -> None:
         riders = self.take(dst)
