@@ -59,7 +59,7 @@ class Request:
     fork_id: ForkId | None = None
     autograd: AutogradTag | None = None
     on_reader: bool = False  # a notice whose receiver runs it on the reader thread (`@runs_on_reader`)
-    riders: tuple[Rider, ...] = ()  # notices for the receiver that came along (a notice of none's own: no function)
+    riders: tuple[Rider, ...] = ()  # notices riding along; a notice made only to carry them has no function
 
     def __reduce__(self) -> tuple:
         return Request, (self.mode, self.function, self.rref_id, self.fork_id, self.autograd, self.on_reader,

@@ -1,7 +1,7 @@
 """Notices that ride on the next message to their worker (`RpcAgent.notify_soon`).
 
-Bookkeeping that nobody waits for, such as the release of a distributed autograd context, cost a
-message of its own: a write and a frame on the sender, a wake-up, reads and a dispatch on the
+Bookkeeping that nobody waits for, such as the release of a distributed autograd context, would
+cost a message of its own: a write and a frame on the sender, a wake-up, reads and a dispatch on the
 receiver, all on two busy processes. Most such notices go to a worker that the same program calls
 again moments later (the next training step), so they wait for that call and travel in its header.
 One that finds nothing to ride on within `WAIT_S` goes alone, from a thread of its own.
