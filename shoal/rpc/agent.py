@@ -42,7 +42,6 @@ def _outcome(done: torch.futures.Future) -> tuple[Any, BaseException | None]:
         return None, exc
 
 To = str | int | WorkerInfo
-_NO_ARGUMENTS = encode(((), {}))
 
 
 class RpcAgent:
@@ -177,7 +176,7 @@ class RpcAgent:
 
     def _send_riders(self, dst: int, riders: tuple[Rider, ...]) -> None:
         """A notice of no function of its own, carrying `riders` (which found no message to ride on)."""
-        self._wire.send(dst, Kind.NOTICE, next(self._ids), Request(Mode.CALL, riders=riders), _NO_ARGUMENTS)
+        self._wire.send(dst, Kind.NOTICE, next(self._ids), Request(Mode.CALL, riders=riders), Encoded(b""))
 
     def fetch(self, rref: RRef, timeout: Timeout) -> Future:
         """A copy of a referenced object from its owner (`RRef.to_here`)."""
