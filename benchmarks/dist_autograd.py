@@ -20,6 +20,12 @@ gives the median and p90 step time over all timed steps (after warm-up), the med
 up (init_rpc, the RemoteModules and the optimizer) and the ratio shoal/torch (below 1: shoal is
 faster). Every run starts from the same seeds, so their losses and final parameters must agree;
 the last line says whether they did (and the exit status is 1 if not).
+
+`--breakdown` also times the parts of a step, alike for both libraries: tensor hooks on "ps" and
+"mlp" note (perf_counter, one clock for every process on the host) when each worker's backward
+pass starts (its output's gradient is in) and ends (its input's gradient, or the embedding's
+weight's, is computed), and the trainer notes when the forward, backward and optimizer step end.
+The hooks cost a little, so those runs' step times are not the plain ones.
 """
 
 from __future__ import annotations
@@ -75,6 +81,76 @@ def _head():
     return nn.Linear(HIDDEN, CLASSES)
 
 
+# ---- where a step's time goes (--breakdown) ---------------------------------------------------------------------
+
+_STAMPS: list[tuple[str, float]] = []  # on "ps" and "mlp": (event, when), in the order they happened
+
+
+def _stamp(event: str) -> None:
+    _STAMPS.append((event, time.perf_counter()))
+
+
+def _take_stamps() -> list[tuple[str, float]]:
+    taken = list(_STAMPS)
+    _STAMPS.clear()
+    return taken
+
+
+def _stamping(module, worker: str):
+    """`module`, noting when its backward pass starts: its output's gradient is in. Both libraries'
+    RemoteModules call `forward` itself, so the hooks go on tensors, not on the module."""
+    forward = module.forward
+
+    def stamped_forward(*args):
+        output = forward(*args)
+        output.register_hook(lambda _: _stamp(f"{worker} start"))
+        return output
+    module.forward = stamped_forward
+    return module
+
+
+def _stamped_embedding():
+    module = _embedding()
+    module.weight.register_hook(lambda _: _stamp("ps end"))  # its pass ends with the weight's gradient
+    return _stamping(module, "ps")
+
+
+def _stamped_mlp():
+    module = _mlp()
+    forward = module.forward
+
+    def forward_noting_input(x):
+        x.register_hook(lambda _: _stamp("mlp end"))  # its pass ends with the gradient it sends on
+        return forward(x)
+    module.forward = forward_noting_input
+    return _stamping(module, "mlp")
+
+
+SEGMENTS = {  # name: (from, to), events on the trainer ("forward", ...) and on the workers' passes
+    "forward: embedding on ps, MLP on mlp, head": ("begin", "forward"),
+    "backward: the trainer's pass, gradient to mlp": ("forward", "mlp start"),
+    "backward: mlp's pass": ("mlp start", "mlp end"),
+    "backward: gradient from mlp to ps": ("mlp end", "ps start"),
+    "backward: ps's pass": ("ps start", "ps end"),
+    "backward: from ps's gradient to the trainer's return": ("ps end", "backward"),
+    "optimizer step": ("backward", "step"),
+}
+
+
+def _segments(trainer: list[dict[str, float]], workers: list[tuple[str, float]]) -> dict[str, float]:
+    """Median seconds per segment over the timed steps, from the trainer's per-step times and the
+    workers' stamps (one of each event per step)."""
+    events: dict[str, list[float]] = {}
+    for event, when in workers:
+        events.setdefault(event, []).append(when)
+    for event, whens in events.items():
+        if len(whens) != len(trainer):
+            raise RuntimeError(f"--breakdown: {len(whens)} {event!r} stamps for {len(trainer)} steps")
+    steps = [{**times, **{event: whens[i] for event, whens in events.items()}} for i, times in enumerate(trainer)]
+    return {name: statistics.median(step[end] - step[begin] for step in steps)
+            for name, (begin, end) in SEGMENTS.items()}
+
+
 def _batches():
     import torch
 
@@ -113,32 +189,44 @@ def _library(name: str) -> SimpleNamespace:
                            RemoteModule=RemoteModule)
 
 
-def _train(lib: SimpleNamespace, steps: int, started: float) -> dict:
-    """On the trainer: build the model and optimizer, run WARMUP + `steps` steps timing each."""
+def _train(lib: SimpleNamespace, steps: int, started: float, breakdown: bool) -> dict:
+    """On the trainer: build the model and optimizer, run WARMUP + `steps` steps timing each (and
+    their parts, with `breakdown`)."""
     import torch
     from torch.nn import functional
 
-    embedding = lib.RemoteModule("ps/cpu", _embedding)
-    mlp = lib.RemoteModule("mlp/cpu", _mlp)
+    embedding = lib.RemoteModule("ps/cpu", _stamped_embedding if breakdown else _embedding)
+    mlp = lib.RemoteModule("mlp/cpu", _stamped_mlp if breakdown else _mlp)
     head = _head()
     params = [*embedding.remote_parameters(), *mlp.remote_parameters(), *(lib.rpc.RRef(p) for p in head.parameters())]
     optimizer = lib.DistributedOptimizer(torch.optim.SGD, params, lr=LR)
     setup = time.perf_counter() - started
     batches = _batches()
-    times, losses = [], []
+    times, losses, parts = [], [], []
     for i in range(WARMUP + steps):
+        if breakdown and i == WARMUP:
+            for worker in ("ps", "mlp"):
+                lib.rpc.rpc_sync(worker, _take_stamps)
         indices, offsets, target = batches[i % len(batches)]
         start = time.perf_counter()
         with lib.dist_autograd.context() as context_id:
             loss = functional.cross_entropy(head(mlp(embedding(indices, offsets))), target)
+            forward = time.perf_counter()
             lib.dist_autograd.backward(context_id, [loss])
+            backward = time.perf_counter()
             optimizer.step(context_id)
+            step = time.perf_counter()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
+        parts.append({"begin": start, "forward": forward, "backward": backward, "step": step})
     fingerprint = [*lib.rpc.rpc_sync("ps", _fingerprint, args=(embedding.get_module_rref(),)),
                    *lib.rpc.rpc_sync("mlp", _fingerprint, args=(mlp.get_module_rref(),)),
                    *_fingerprint(lib.rpc.RRef(head))]
-    return {"times": times[WARMUP:], "losses": losses, "fingerprint": fingerprint, "setup": setup}
+    segments = None
+    if breakdown:
+        stamps = [stamp for worker in ("ps", "mlp") for stamp in lib.rpc.rpc_sync(worker, _take_stamps)]
+        segments = _segments(parts[WARMUP:], stamps)
+    return {"times": times[WARMUP:], "losses": losses, "fingerprint": fingerprint, "setup": setup, "segments": segments}
 
 
 def _drop_torchscript_notice() -> None:
@@ -153,7 +241,7 @@ def _drop_torchscript_notice() -> None:
     warnings.showwarning = showwarning
 
 
-def _worker(rank: int, library: str, port: int, steps: int, results) -> None:
+def _worker(rank: int, library: str, port: int, steps: int, breakdown: bool, results) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -167,15 +255,15 @@ def _worker(rank: int, library: str, port: int, steps: int, results) -> None:
     lib.rpc.init_rpc(WORKERS[rank], rank=rank, world_size=len(WORKERS), rpc_backend_options=options)
     try:
         if rank == 0:
-            results.put(_train(lib, steps, started))
+            results.put(_train(lib, steps, started, breakdown))
     finally:
         lib.rpc.shutdown()
 
 
-def run_side(library: str, steps: int, timeout: float) -> dict:
+def run_side(library: str, steps: int, timeout: float, breakdown: bool = False) -> dict:
     """Run the program with one library's modules on len(WORKERS) fresh spawned processes; the
     trainer's result. Raises if a worker fails or the whole run takes longer than `timeout` seconds."""
-    return _ranks.run(_worker, len(WORKERS), library, free_port(), steps, timeout=timeout)
+    return _ranks.run(_worker, len(WORKERS), library, free_port(), steps, breakdown, timeout=timeout)
 
 
 def _p90(times: list[float]) -> float:
@@ -213,6 +301,13 @@ def table(result: dict[str, list[dict]]) -> list[str]:
     t, s = (statistics.median(one["setup"] for one in result[library]) for library in ("torch", "shoal"))
     lines.append(f"| setup: init_rpc, RemoteModules, DistributedOptimizer | {t:.2f} s | {s:.2f} s | "
                  f"{s / t:.2f}x time |")
+    if result["shoal"][0]["segments"] is not None:
+        lines += ["", f"| part of a step (median of each run's median, hooks on) | {LIBRARIES['torch']} | "
+                      f"{LIBRARIES['shoal']} | shoal - torch |", "|---|---|---|---|"]
+        for name in SEGMENTS:
+            t, s = (statistics.median(one["segments"][name] for one in result[library])
+                    for library in ("torch", "shoal"))
+            lines.append(f"| {name} | {t * 1e3:.3f} ms | {s * 1e3:.3f} ms | {(s - t) * 1e3:+.3f} ms |")
     same, worst = agreement(result)
     final = {library: runs[0]["losses"][-1] for library, runs in result.items()}
     lines += ["", f"Same computation (the loss of every step and the final parameters, same seeds, every run): "
@@ -221,13 +316,13 @@ def table(result: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-def run(steps: int, rounds: int, timeout: float) -> dict[str, list[dict]]:
+def run(steps: int, rounds: int, timeout: float, breakdown: bool = False) -> dict[str, list[dict]]:
     """`rounds` runs per library, in the order torch, shoal, shoal, torch, torch, ... so that a
     machine getting busier or quieter meanwhile favours neither."""
     result: dict[str, list[dict]] = {library: [] for library in LIBRARIES}
     for i in range(rounds):
         for library in (LIBRARIES if i % 2 == 0 else reversed(LIBRARIES)):
-            result[library].append(run_side(library, steps, timeout))
+            result[library].append(run_side(library, steps, timeout, breakdown))
     return result
 
 
@@ -238,10 +333,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs per library, alternating (fresh processes each)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     parser.add_argument("--markdown", help="also append the table to this file")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the parts of a step (forward, each worker's backward pass and what lies "
+                             "between them, optimizer step) through tensor hooks, in both libraries")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds must be at least 1")
-    result = run(args.steps, args.rounds, args.timeout)
+    result = run(args.steps, args.rounds, args.timeout, args.breakdown)
     lines = table(result)
     print("\n".join(lines))
     if args.markdown:
