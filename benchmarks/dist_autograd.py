@@ -97,11 +97,15 @@ def _take_stamps() -> list[tuple[str, float]]:
 
 
 def _stamping(module, worker: str):
-    """`module`, noting when its backward pass starts: its output's gradient is in. Both libraries'
+    """`module`, noting when its backward pass starts (its output's gradient is in) and when it ends
+    with the gradient it sends on (its input's, where that requires grad). Both libraries'
     RemoteModules call `forward` itself, so the hooks go on tensors, not on the module."""
     forward = module.forward
 
     def stamped_forward(*args):
+        for arg in args:
+            if arg.requires_grad:
+                arg.register_hook(lambda _: _stamp(f"{worker} end"))
         output = forward(*args)
         output.register_hook(lambda _: _stamp(f"{worker} start"))
         return output
@@ -111,19 +115,12 @@ def _stamping(module, worker: str):
 
 def _stamped_embedding():
     module = _embedding()
-    module.weight.register_hook(lambda _: _stamp("ps end"))  # its pass ends with the weight's gradient
+    module.weight.register_hook(lambda _: _stamp("ps end"))  # its input needs no gradient: it ends with its weight's
     return _stamping(module, "ps")
 
 
 def _stamped_mlp():
-    module = _mlp()
-    forward = module.forward
-
-    def forward_noting_input(x):
-        x.register_hook(lambda _: _stamp("mlp end"))  # its pass ends with the gradient it sends on
-        return forward(x)
-    module.forward = forward_noting_input
-    return _stamping(module, "mlp")
+    return _stamping(_mlp(), "mlp")
 
 
 SEGMENTS = {  # name: (from, to), events on the trainer ("forward", ...) and on the workers' passes
