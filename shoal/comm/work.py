@@ -127,7 +127,8 @@ class OpQueue:
         finally:
             with self._cond:
                 self._busy = False
-                self._cond.notify_all()
+                if self._pending or self._closed:  # else nobody waits for this: the loop would wake for nothing
+                    self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:

@@ -1,0 +1,70 @@
+"""A group's operation queue: jobs run one at a time in the order they came; a blocking call that
+finds the queue idle runs on its caller's thread, and that costs the queue's own thread nothing."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from shoal.comm.work import OpQueue
+
+WAIT_S = 10
+
+
+def _started(queue_name: str) -> tuple[OpQueue, threading.Thread]:
+    """A queue whose own thread exists (it ran one queued job) and is now idle."""
+    queue = OpQueue(queue_name)
+    ran = threading.Event()
+    assert not queue.submit(ran.set)
+    assert ran.wait(WAIT_S)
+    (thread,) = [t for t in threading.enumerate() if t.name == queue_name]
+    return queue, thread
+
+
+def test_queued_jobs_run_one_at_a_time_in_order_and_an_inline_call_waits_its_turn() -> None:
+    queue, _ = _started("test-queue-order")
+    gate, ran = threading.Event(), []
+    assert not queue.submit(lambda: (gate.wait(WAIT_S), ran.append("first")))
+    assert not queue.submit(lambda: ran.append("second"))
+    assert not queue.submit(lambda: ran.append("third"), inline_if_idle=True)  # busy: queued, not run here
+    gate.set()
+    queue.close(timedelta(seconds=WAIT_S))
+    assert ran == ["first", "second", "third"]
+
+
+def test_a_blocking_call_on_an_idle_queue_runs_on_the_callers_thread() -> None:
+    queue, _ = _started("test-queue-inline")
+    ran_on = []
+    job = lambda: ran_on.append(threading.current_thread())  # noqa: E731
+    assert queue.submit(job, inline_if_idle=True)
+    queue.run_here(job)
+    assert ran_on == [threading.current_thread()]
+    queue.close(timedelta(seconds=WAIT_S))
+
+
+def _voluntary_switches(thread: threading.Thread) -> int:
+    with open(f"/proc/self/task/{thread.native_id}/status") as status:
+        for line in status:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches line")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the thread's sleeps in /proc (Linux only)")
+def test_inline_calls_leave_the_queues_idle_thread_asleep() -> None:
+    # Each wake-up of an idle thread costs a context switch and the GIL, on a machine whose cores the
+    # ranks share; before, every inline call's end woke the queue's thread, which found nothing to do.
+    queue, thread = _started("test-queue-asleep")
+    collective = lambda: time.sleep(0.001)  # noqa: E731  (it blocks, as a collective does, letting others run)
+    before = _voluntary_switches(thread)
+    for _ in range(200):
+        assert queue.submit(collective, inline_if_idle=True)
+        queue.run_here(collective)
+    assert _voluntary_switches(thread) - before < 20
+    queue.close(timedelta(seconds=WAIT_S))
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
