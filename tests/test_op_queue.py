@@ -3,14 +3,12 @@ finds the queue idle runs on its caller's thread, and that costs the queue's own
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from datetime import timedelta
 
-import pytest
-
 from shoal.comm.work import OpQueue
+from tests.threads import linux_only, named, voluntary_switches
 
 WAIT_S = 10
 
@@ -21,8 +19,7 @@ def _started(queue_name: str) -> tuple[OpQueue, threading.Thread]:
     ran = threading.Event()
     assert not queue.submit(ran.set)
     assert ran.wait(WAIT_S)
-    (thread,) = [t for t in threading.enumerate() if t.name == queue_name]
-    return queue, thread
+    return queue, named(queue_name)
 
 
 def test_queued_jobs_run_one_at_a_time_in_order_and_an_inline_call_waits_its_turn() -> None:
@@ -46,25 +43,17 @@ def test_a_blocking_call_on_an_idle_queue_runs_on_the_callers_thread() -> None:
     queue.close(timedelta(seconds=WAIT_S))
 
 
-def _voluntary_switches(thread: threading.Thread) -> int:
-    with open(f"/proc/self/task/{thread.native_id}/status") as status:
-        for line in status:
-            if line.startswith("voluntary_ctxt_switches:"):
-                return int(line.split()[1])
-    raise AssertionError("no voluntary_ctxt_switches line")
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the thread's sleeps in /proc (Linux only)")
+@linux_only
 def test_inline_calls_leave_the_queues_idle_thread_asleep() -> None:
     # Each wake-up of an idle thread costs a context switch and the GIL, on a machine whose cores the
     # ranks share; before, every inline call's end woke the queue's thread, which found nothing to do.
     queue, thread = _started("test-queue-asleep")
     collective = lambda: time.sleep(0.001)  # noqa: E731  (it blocks, as a collective does, letting others run)
-    before = _voluntary_switches(thread)
+    before = voluntary_switches(thread)
     for _ in range(200):
         assert queue.submit(collective, inline_if_idle=True)
         queue.run_here(collective)
-    assert _voluntary_switches(thread) - before < 20
+    assert voluntary_switches(thread) - before < 20
     queue.close(timedelta(seconds=WAIT_S))
     thread.join(WAIT_S)
     assert not thread.is_alive()
