@@ -23,6 +23,7 @@ from shoal.rpc.pool import WorkerPool
 from shoal.rpc.riders import Riders
 from shoal.rpc.rref import OwnerTable, RRef
 from shoal.rpc.wire import _carried, _with_tensors
+from tests.threads import linux_only, named, voluntary_switches
 
 # ---- the owner's table ------------------------------------------------------------------------
 
@@ -445,6 +446,46 @@ def test_a_notice_that_finds_no_message_goes_alone_and_only_once() -> None:
         assert riders.flush(10.0)  # anything sent twice would be sent by now
         assert sent.messages == [(3, (_rider(1), _rider(2)))]
         assert riders.take(3) == ()
+    finally:
+        riders.stop(5.0)
+
+
+def test_a_notice_waits_its_own_time_even_after_an_earlier_one_to_its_worker_rode() -> None:
+    sent = _Sent()
+    riders = Riders(sent, "test-riders")
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("shoal.rpc.riders.WAIT_S", 0.2)
+            riders.add(1, _rider(1))
+        assert riders.take(1) == (_rider(1),)  # it rode on a message
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("shoal.rpc.riders.WAIT_S", 60.0)
+            riders.add(1, _rider(2))
+        time.sleep(1.0)  # the first notice's time comes and goes
+        assert sent.messages == []  # the second is not sent alone on the first one's time
+        assert riders.take(1) == (_rider(2),)
+    finally:
+        riders.stop(5.0)
+
+
+@linux_only
+def test_notices_that_ride_in_time_do_not_wake_the_thread() -> None:
+    # A training loop: each step's notices ride on the next step's first call to their worker.
+    sent = _Sent()
+    riders = Riders(sent, "test-riders-asleep")
+    thread = named("test-riders-asleep")
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("shoal.rpc.riders.WAIT_S", 60.0)
+            riders.add(1, _rider(0))  # the thread learns when this one is due, and sleeps till then
+            time.sleep(0.05)
+            before = voluntary_switches(thread)
+            for step in range(1, 201):
+                assert riders.take(1) == (_rider(step - 1),)
+                riders.add(1, _rider(step))
+                time.sleep(0.001)  # the step's work, in which a woken thread would run
+        assert voluntary_switches(thread) - before < 20
+        assert sent.messages == []
     finally:
         riders.stop(5.0)
 

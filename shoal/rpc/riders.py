@@ -9,9 +9,8 @@ One that finds nothing to ride on within `WAIT_S` goes alone, from a thread of i
 
 from __future__ import annotations
 
-import collections
 import logging
-import queue
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -26,32 +25,45 @@ WAIT_S = 0.02  # how long a notice waits for a message to ride on
 class Riders:
     """Notices waiting, per destination rank; `send_alone(dst, riders)` sends those that waited
     `WAIT_S` in a message of their own. Each notice goes exactly once; no order is promised (a
-    message that took some may reach the wire after one that took later ones)."""
+    message that took some may reach the wire after one that took later ones).
+
+    The thread sleeps until the first waiting notice is due, and a new notice wakes it only if it is
+    due sooner than that. In a training loop, where each step's notices ride on the next step's
+    calls, it wakes about once a step, not at every notice: each wake-up takes the GIL from a
+    process whose next call is on its way. And a notice goes alone only once it has waited its own
+    `WAIT_S`, not when one that came earlier, and rode, would have."""
 
     def __init__(self, send_alone: Callable[[int, tuple[Rider, ...]], None], name: str) -> None:
         self._send_alone = send_alone
         self._lock = threading.Lock()
-        self._waiting: dict[int, list[Rider]] = {}
-        # (when, destination) for each destination's first waiting notice, in order of `when`; an
-        # Event asks for everything at once (shutdown), None ends the thread.
-        self._due: queue.SimpleQueue = queue.SimpleQueue()
+        self._changed = threading.Condition(self._lock)
+        # dst -> (when its notices go alone: `WAIT_S` after the first of them came, the notices)
+        self._waiting: dict[int, tuple[float, list[Rider]]] = {}
+        self._wakes_at = math.inf  # when the sleeping thread looks next, unless woken sooner
+        self._flushes: list[threading.Event] = []  # each set once everything waiting then is sent
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def add(self, dst: int, rider: Rider) -> None:
         with self._lock:
-            waiting = self._waiting.setdefault(dst, [])
-            waiting.append(rider)
-            first = len(waiting) == 1
-        if first:
-            self._due.put((time.monotonic() + WAIT_S, dst))
+            waiting = self._waiting.get(dst)
+            if waiting is not None:
+                waiting[1].append(rider)
+                return
+            due = time.monotonic() + WAIT_S
+            self._waiting[dst] = (due, [rider])
+            if due < self._wakes_at:
+                self._wakes_at = due
+                self._changed.notify()
 
     def take(self, dst: int) -> tuple[Rider, ...]:
         """The notices waiting for `dst`, for the message about to go there."""
         if not self._waiting:  # most messages: nothing waits, and no lock is needed to see that
             return ()
         with self._lock:
-            return tuple(self._waiting.pop(dst, ()))
+            waiting = self._waiting.pop(dst, None)
+        return () if waiting is None else tuple(waiting[1])
 
     def drop(self, dst: int) -> None:
         """`dst` is gone: what waited for it goes nowhere."""
@@ -61,43 +73,43 @@ class Riders:
     def flush(self, timeout: float) -> bool:
         """Send everything waiting now, each destination's notices alone; wait until they are sent."""
         flushed = threading.Event()
-        self._due.put(flushed)
+        with self._lock:
+            self._flushes.append(flushed)
+            self._changed.notify()
         return flushed.wait(timeout)
 
     def stop(self, timeout: float) -> None:
         """Send what still waits (a release passed on during shutdown, say), then end the thread."""
-        self._due.put(None)
+        with self._lock:
+            self._stopping = True
+            self._changed.notify()
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        due: collections.deque[tuple[float, int]] = collections.deque()  # in order of time
+        while True:
+            with self._lock:
+                due, flushes, stopping = self._wait_for_work()
+            for dst, riders in due:
+                self._send(dst, riders)
+            for flushed in flushes:
+                flushed.set()
+            if stopping:
+                return
+
+    def _wait_for_work(self) -> tuple[list[tuple[int, tuple[Rider, ...]]], list[threading.Event], bool]:
+        """Sleep (the lock held, but for the sleep) until notices are due, a flush is asked for or the
+        thread is to stop; take what is due (everything, for a flush or a stop)."""
         while True:
             now = time.monotonic()
-            while due and due[0][0] <= now:
-                self._send(due.popleft()[1])
-            try:
-                item = self._due.get(timeout=due[0][0] - now if due else None)
-            except queue.Empty:
-                continue
-            if item is None:
-                self._send_all()
-                return
-            if isinstance(item, threading.Event):
-                self._send_all()
-                item.set()
-            else:
-                due.append(item)
+            everything = self._stopping or bool(self._flushes)
+            due = [dst for dst, (when, _) in self._waiting.items() if everything or when <= now]
+            if due or everything:
+                flushes, self._flushes = self._flushes, []
+                return [(dst, tuple(self._waiting.pop(dst)[1])) for dst in due], flushes, self._stopping
+            self._wakes_at = min((when for when, _ in self._waiting.values()), default=math.inf)
+            self._changed.wait(None if self._wakes_at == math.inf else self._wakes_at - now)
 
-    def _send_all(self) -> None:
-        with self._lock:
-            destinations = list(self._waiting)
-        for dst in destinations:
-            self._send(dst)
-
-    def _send(self, dst: int) -> None:
-        riders = self.take(dst)
-        if not riders:  # they rode on a message meanwhile
-            return
+    def _send(self, dst: int, riders: tuple[Rider, ...]) -> None:
         try:
             self._send_alone(dst, riders)
         except Exception as exc:  # the worker is gone, and whatever the notices were about with it
