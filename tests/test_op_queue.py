@@ -14,11 +14,12 @@ WAIT_S = 10
 
 
 def _started(queue_name: str) -> tuple[OpQueue, threading.Thread]:
-    """A queue whose own thread exists (it ran one queued job) and is now idle."""
+    """A queue whose own thread exists (it ran a queued job) and has gone idle."""
     queue = OpQueue(queue_name)
-    ran = threading.Event()
-    assert not queue.submit(ran.set)
-    assert ran.wait(WAIT_S)
+    assert not queue.submit(int)  # queued: this starts the thread
+    while not queue.submit(int, inline_if_idle=True):  # queued too, behind what still runs
+        time.sleep(0.001)
+    queue.run_here(int)  # the queue was idle: no job of the thread's is left
     return queue, named(queue_name)
 
 
