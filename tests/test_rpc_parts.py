@@ -3,6 +3,7 @@ functions sent by reference, the message encoding, and the thread pool that serv
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -11,6 +12,7 @@ import threading
 import time
 import types
 import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -416,12 +418,19 @@ def _rider(n: int) -> tuple:
     return (("module", "function"), False, (n,))
 
 
+@contextlib.contextmanager
+def _waiting(seconds: float) -> Iterator[None]:
+    """Notices added meanwhile wait `seconds` for a message to ride on before going alone."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("shoal.rpc.riders.WAIT_S", seconds)
+        yield
+
+
 def test_notices_wait_for_a_message_to_their_worker_and_ride_together() -> None:
     sent = _Sent()
     riders = Riders(sent, "test-riders")
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("shoal.rpc.riders.WAIT_S", 60.0)  # nothing goes alone during the test
+        with _waiting(60.0):  # nothing goes alone during the test
             for n in range(3):
                 riders.add(1, _rider(n))
             riders.add(2, _rider(9))
@@ -438,8 +447,7 @@ def test_a_notice_that_finds_no_message_goes_alone_and_only_once() -> None:
     sent = _Sent()
     riders = Riders(sent, "test-riders")
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("shoal.rpc.riders.WAIT_S", 0.5)  # both are in long before the first is due
+        with _waiting(0.5):  # both are in long before the first is due
             riders.add(3, _rider(1))
             riders.add(3, _rider(2))
         assert sent.arrived.wait(10.0), "the notices never went alone"
@@ -454,12 +462,10 @@ def test_a_notice_waits_its_own_time_even_after_an_earlier_one_to_its_worker_rod
     sent = _Sent()
     riders = Riders(sent, "test-riders")
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("shoal.rpc.riders.WAIT_S", 0.2)
+        with _waiting(0.2):
             riders.add(1, _rider(1))
         assert riders.take(1) == (_rider(1),)  # it rode on a message
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("shoal.rpc.riders.WAIT_S", 60.0)
+        with _waiting(60.0):
             riders.add(1, _rider(2))
         time.sleep(1.0)  # the first notice's time comes and goes
         assert sent.messages == []  # the second is not sent alone on the first one's time
@@ -475,8 +481,7 @@ def test_notices_that_ride_in_time_do_not_wake_the_thread() -> None:
     riders = Riders(sent, "test-riders-asleep")
     thread = named("test-riders-asleep")
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("shoal.rpc.riders.WAIT_S", 60.0)
+        with _waiting(60.0):
             riders.add(1, _rider(0))  # the thread learns when this one is due, and sleeps till then
             time.sleep(0.05)
             before = voluntary_switches(thread)
@@ -493,8 +498,7 @@ def test_notices_that_ride_in_time_do_not_wake_the_thread() -> None:
 def test_notices_still_waiting_are_sent_when_the_thread_stops() -> None:
     sent = _Sent()
     riders = Riders(sent, "test-riders")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("shoal.rpc.riders.WAIT_S", 60.0)
+    with _waiting(60.0):
         riders.add(1, _rider(1))
     riders.stop(10.0)
     assert sent.messages == [(1, (_rider(1),))]
@@ -504,8 +508,7 @@ def test_a_flush_sends_every_waiting_notice_at_once() -> None:
     sent = _Sent()
     riders = Riders(sent, "test-riders")
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("shoal.rpc.riders.WAIT_S", 60.0)
+        with _waiting(60.0):
             riders.add(1, _rider(1))
             riders.add(2, _rider(2))
         assert riders.flush(10.0)  # long before the 60 s are up
