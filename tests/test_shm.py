@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import textwrap
 
 import torch
 
@@ -53,3 +56,20 @@ def test_lending_stops_at_the_limit_and_copies_still_work() -> None:
     gc.collect()
     slot = outbound.put(memoryview(_frame(5.0).view(torch.uint8).numpy()))
     assert inbound.lend(slot, 1 << 20) is not None  # lendable again once the kept tensors are gone
+
+
+def test_a_frame_in_read_only_memory_goes_through_a_lane_without_a_warning() -> None:
+    # torch warns once per process, so the check runs in a fresh one, with warnings as errors.
+    code = textwrap.dedent("""
+        from shoal.comm import shm
+        outbound = shm.Outbound()
+        inbound = shm.Inbound(outbound.name)
+        outbound.accepted()
+        body = bytes(range(256)) * 4096  # a pickled RPC body is bytes: read-only
+        slot = outbound.put(memoryview(body))
+        copy = bytearray(len(body))
+        inbound.take(slot, memoryview(copy))
+        assert copy == body
+    """)
+    result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

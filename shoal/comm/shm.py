@@ -29,8 +29,12 @@ _SIZE = _DATA + SLOTS * SLOT_BYTES
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
-    # torch's copy releases the GIL, so reader and sender threads copy in parallel.
-    torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+    # Both copies release the GIL, so reader and sender threads copy in parallel. torch's would warn
+    # the user about read-only memory (a pickled RPC body is bytes), which numpy reads as it is.
+    if src.readonly:
+        numpy.copyto(numpy.frombuffer(dst, dtype=numpy.uint8), numpy.frombuffer(src, dtype=numpy.uint8))
+    else:
+        torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
 
 
 class Outbound:
