@@ -14,12 +14,20 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from shoal.rpc.headers import Rider
 
 log = logging.getLogger(__name__)
 
 WAIT_S = 0.02  # how long a notice waits for a message to ride on
+
+
+class _Waiting(NamedTuple):
+    """One destination's notices, and when they go alone: `WAIT_S` after the first of them came."""
+
+    due: float
+    riders: list[Rider]
 
 
 class Riders:
@@ -30,15 +38,14 @@ class Riders:
     The thread sleeps until the first waiting notice is due, and a new notice wakes it only if it is
     due sooner than that. In a training loop, where each step's notices ride on the next step's
     calls, it wakes about once a step, not at every notice: each wake-up takes the GIL from a
-    process whose next call is on its way. And a notice goes alone only once it has waited its own
-    `WAIT_S`, not when one that came earlier, and rode, would have."""
+    process whose next call is on its way. A destination's notices go alone `WAIT_S` after the first
+    of them still waiting came: one that came earlier and rode no longer counts."""
 
     def __init__(self, send_alone: Callable[[int, tuple[Rider, ...]], None], name: str) -> None:
         self._send_alone = send_alone
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        # dst -> (when its notices go alone: `WAIT_S` after the first of them came, the notices)
-        self._waiting: dict[int, tuple[float, list[Rider]]] = {}
+        self._waiting: dict[int, _Waiting] = {}
         self._wakes_at = math.inf  # when the sleeping thread looks next, unless woken sooner
         self._flushes: list[threading.Event] = []  # each set once everything waiting then is sent
         self._stopping = False
@@ -49,10 +56,10 @@ class Riders:
         with self._lock:
             waiting = self._waiting.get(dst)
             if waiting is not None:
-                waiting[1].append(rider)
+                waiting.riders.append(rider)
                 return
             due = time.monotonic() + WAIT_S
-            self._waiting[dst] = (due, [rider])
+            self._waiting[dst] = _Waiting(due, [rider])
             if due < self._wakes_at:
                 self._wakes_at = due
                 self._changed.notify()
@@ -63,7 +70,7 @@ class Riders:
             return ()
         with self._lock:
             waiting = self._waiting.pop(dst, None)
-        return () if waiting is None else tuple(waiting[1])
+        return () if waiting is None else tuple(waiting.riders)
 
     def drop(self, dst: int) -> None:
         """`dst` is gone: what waited for it goes nowhere."""
@@ -102,11 +109,11 @@ class Riders:
         while True:
             now = time.monotonic()
             everything = self._stopping or bool(self._flushes)
-            due = [dst for dst, (when, _) in self._waiting.items() if everything or when <= now]
+            due = [dst for dst, waiting in self._waiting.items() if everything or waiting.due <= now]
             if due or everything:
                 flushes, self._flushes = self._flushes, []
-                return [(dst, tuple(self._waiting.pop(dst)[1])) for dst in due], flushes, self._stopping
-            self._wakes_at = min((when for when, _ in self._waiting.values()), default=math.inf)
+                return [(dst, tuple(self._waiting.pop(dst).riders)) for dst in due], flushes, self._stopping
+            self._wakes_at = min((waiting.due for waiting in self._waiting.values()), default=math.inf)
             self._changed.wait(None if self._wakes_at == math.inf else self._wakes_at - now)
 
     def _send(self, dst: int, riders: tuple[Rider, ...]) -> None:
