@@ -29,8 +29,9 @@ _SIZE = _DATA + SLOTS * SLOT_BYTES
 
 
 def _copy(dst: memoryview, src: memoryview) -> None:
-    # Both copies release the GIL, so reader and sender threads copy in parallel. torch's would warn
-    # the user about read-only memory (a pickled RPC body is bytes), which numpy reads as it is.
+    # Both copies release the GIL, so reader and sender threads copy in parallel. torch's, which the
+    # lanes were measured with, warns the user when handed read-only memory (a pickled RPC body is
+    # bytes); numpy wraps such memory without a word.
     if src.readonly:
         numpy.copyto(numpy.frombuffer(dst, dtype=numpy.uint8), numpy.frombuffer(src, dtype=numpy.uint8))
     else:
