@@ -103,13 +103,15 @@ def _ddp_under_resets(rank: int, world: int) -> dict:
     chaos = _Chaos(dist.default_group().transport, peers, seed=rank, pause=(0.005, 0.03))
     equal, severed = [], torch.zeros(1)
     try:
-        # The same training again until the group's links have dropped 20 times in all: how many
-        # drops one run meets depends on how fast it trains.
-        while severed.item() < 20:
+        # The same training again until the group's links have dropped 20 times in all (at most 10
+        # runs): how many drops one run meets depends on how fast it trains.
+        for _ in range(10):
             stormy = _train(15, rank)
             equal.append(all(torch.equal(a, b) for a, b in zip(calm, stormy, strict=True)))
             severed = torch.tensor([float(chaos.severed)])
             dist.all_reduce(severed)
+            if severed.item() >= 20:
+                break
     finally:
         chaos.stop()
     dist.barrier()
@@ -118,8 +120,9 @@ def _ddp_under_resets(rank: int, world: int) -> dict:
 
 def test_ddp_training_under_resets_equals_a_fault_free_run_bit_for_bit() -> None:
     out = run_ranks(_ddp_under_resets, 4, timeout=100)
-    assert all(o["equal"] and all(o["equal"]) for o in out.values()), out
-    assert all(o["severed"] >= 20 for o in out.values()), out
+    for rank, o in out.items():
+        assert False not in o["equal"], f"rank {rank}: run {o['equal'].index(False)} differs from the calm one"
+    assert out[0]["severed"] >= 20, out  # the drops really happened
 
 
 _calls = 0
@@ -142,9 +145,11 @@ def _rpc_under_resets(rank: int, world: int, port: int) -> dict:
     if rank == 0:
         chaos = _Chaos(rpc.api.current_agent().transport, [1], seed=7, pause=(0.002, 0.02))
         answers: list[int] = []
-        # Rounds until the link has dropped often enough: how many drops a fixed number of calls
-        # meets depends on how fast they run.
-        while len(answers) < 600 or chaos.severed < 10:
+        # Rounds until the link has dropped often enough (at most 30): how many drops a fixed number
+        # of calls meets depends on how fast they run.
+        for _ in range(30):
+            if len(answers) >= 600 and chaos.severed >= 10:
+                break
             answers += [rpc.rpc_sync("worker1", _count) for _ in range(100)]
             futures = [rpc.rpc_async("worker1", _count) for _ in range(100)]
             answers += [f.wait() for f in futures]

@@ -71,5 +71,6 @@ def test_a_frame_in_read_only_memory_goes_through_a_lane_without_a_warning() -> 
         inbound.take(slot, memoryview(copy))
         assert copy == body
     """)
-    result = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 0, result.stderr

@@ -23,5 +23,6 @@ def voluntary_switches(thread: threading.Thread) -> int:
 
 def named(name: str) -> threading.Thread:
     """The one running thread called `name`."""
-    (thread,) = [t for t in threading.enumerate() if t.name == name]
-    return thread
+    found = [t for t in threading.enumerate() if t.name == name]
+    assert len(found) == 1, f"{len(found)} running threads are called {name!r}"
+    return found[0]
