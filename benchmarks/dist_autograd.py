@@ -18,8 +18,10 @@ The same code runs with torch's modules and with shoal's, each run on three fres
 processes, `--rounds` runs per library in the order torch, shoal, shoal, torch, ... The table
 gives the median and p90 step time over all timed steps (after warm-up), the median time to set
 up (init_rpc, the RemoteModules and the optimizer) and the ratio shoal/torch (below 1: shoal is
-faster). Every run starts from the same seeds, so their losses and final parameters must agree;
-the last line says whether they did (and the exit status is 1 if not).
+faster), then what the timed steps cost besides time: the CPU of every thread of the three workers,
+and each worker's minor page faults (getrusage before and after). Every run starts from the same
+seeds, so their losses and final parameters must agree; the last line says whether they did (and
+the exit status is 1 if not).
 
 `--breakdown` also times the parts of a step, alike for both libraries: tensor hooks on "ps" and
 "mlp" note (perf_counter, one clock for every process on the host) when each worker's backward
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -148,6 +151,19 @@ def _segments(trainer: list[dict[str, float]], workers: list[tuple[str, float]])
             for name, (begin, end) in SEGMENTS.items()}
 
 
+def _usage() -> tuple[float, int]:
+    """This process's CPU seconds (user and system, every thread) and minor page faults so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
+
+
+def _usage_per_step(before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]],
+                    steps: int) -> dict[str, tuple[float, float]]:
+    """Per worker: (CPU seconds, minor page faults) per timed step."""
+    return {worker: ((after[worker][0] - before[worker][0]) / steps, (after[worker][1] - before[worker][1]) / steps)
+            for worker in WORKERS}
+
+
 def _batches():
     import torch
 
@@ -200,10 +216,16 @@ def _train(lib: SimpleNamespace, steps: int, started: float, breakdown: bool) ->
     setup = time.perf_counter() - started
     batches = _batches()
     times, losses, parts = [], [], []
+
+    def usage() -> dict[str, tuple[float, int]]:
+        return {"trainer": _usage(), **{worker: lib.rpc.rpc_sync(worker, _usage) for worker in ("ps", "mlp")}}
+
     for i in range(WARMUP + steps):
-        if breakdown and i == WARMUP:
-            for worker in ("ps", "mlp"):
-                lib.rpc.rpc_sync(worker, _take_stamps)
+        if i == WARMUP:
+            if breakdown:
+                for worker in ("ps", "mlp"):
+                    lib.rpc.rpc_sync(worker, _take_stamps)
+            before = usage()
         indices, offsets, target = batches[i % len(batches)]
         start = time.perf_counter()
         with lib.dist_autograd.context() as context_id:
@@ -216,6 +238,7 @@ def _train(lib: SimpleNamespace, steps: int, started: float, breakdown: bool) ->
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
         parts.append({"begin": start, "forward": forward, "backward": backward, "step": step})
+    per_step = _usage_per_step(before, usage(), steps)
     fingerprint = [*lib.rpc.rpc_sync("ps", _fingerprint, args=(embedding.get_module_rref(),)),
                    *lib.rpc.rpc_sync("mlp", _fingerprint, args=(mlp.get_module_rref(),)),
                    *_fingerprint(lib.rpc.RRef(head))]
@@ -223,7 +246,8 @@ def _train(lib: SimpleNamespace, steps: int, started: float, breakdown: bool) ->
     if breakdown:
         stamps = [stamp for worker in ("ps", "mlp") for stamp in lib.rpc.rpc_sync(worker, _take_stamps)]
         segments = _segments(parts[WARMUP:], stamps)
-    return {"times": times[WARMUP:], "losses": losses, "fingerprint": fingerprint, "setup": setup, "segments": segments}
+    return {"times": times[WARMUP:], "losses": losses, "fingerprint": fingerprint, "setup": setup, "segments": segments,
+            "usage": per_step}
 
 
 def _drop_torchscript_notice() -> None:
@@ -298,6 +322,14 @@ def table(result: dict[str, list[dict]]) -> list[str]:
     t, s = (statistics.median(one["setup"] for one in result[library]) for library in ("torch", "shoal"))
     lines.append(f"| setup: init_rpc, RemoteModules, DistributedOptimizer | {t:.2f} s | {s:.2f} s | "
                  f"{s / t:.2f}x time |")
+    t, s = (statistics.median(sum(one["usage"][w][0] for w in WORKERS) for one in result[library])
+            for library in ("torch", "shoal"))
+    lines.append(f"| CPU per step, every thread of {' + '.join(WORKERS)} (median of runs) | {t * 1e3:.2f} ms | "
+                 f"{s * 1e3:.2f} ms | {s / t:.2f}x CPU |")
+    faults = {library: ", ".join(f"{statistics.median(one['usage'][w][1] for one in runs):.0f}" for w in WORKERS)
+              for library, runs in result.items()}
+    lines.append(f"| minor page faults per step, {', '.join(WORKERS)} (median of runs) | {faults['torch']} | "
+                 f"{faults['shoal']} | |")
     if result["shoal"][0]["segments"] is not None:
         lines += ["", f"| part of a step (median of each run's median, hooks on) | {LIBRARIES['torch']} | "
                       f"{LIBRARIES['shoal']} | shoal - torch |", "|---|---|---|---|"]
