@@ -106,7 +106,7 @@ def _worker(rank: int, ports: tuple[int, int, int], steps: int, tracing_steps: i
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     import shoal.distributed as dist
-    from shoal.comm.native import ShoalProcessGroup
+    from shoal.comm.backends.native import ShoalProcessGroup
     from shoal.comm.rendezvous import Endpoint, join
     from shoal.observe.timeline import Timeline
     from shoal.parallel import DistributedDataParallel as ShoalDDP

@@ -70,7 +70,7 @@ def _rank(rank: int, ports: tuple[int, int], name: str, steps: int, results) -> 
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from shoal.comm.native import ShoalProcessGroup
+    from shoal.comm.backends.native import ShoalProcessGroup
     from shoal.comm.rendezvous import Endpoint, join
     from shoal.parallel import DistributedDataParallel as ShoalDDP
 

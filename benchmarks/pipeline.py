@@ -163,7 +163,7 @@ def _worker(rank: int, ports: tuple[int, int], args: argparse.Namespace, results
     import torch
     import torch.distributed as tdist
 
-    from shoal.comm.native import ShoalProcessGroup
+    from shoal.comm.backends.native import ShoalProcessGroup
     from shoal.comm.rendezvous import Endpoint, join
 
     torch.set_num_threads(1)

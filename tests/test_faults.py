@@ -14,9 +14,10 @@ import torch
 
 import shoal
 import shoal.distributed as dist
-from shoal.comm import auth, rendezvous
+from shoal.comm import rendezvous
 from shoal.comm.store import Store
-from shoal.comm.transport import Transport
+from shoal.comm.transport import auth
+from shoal.comm.transport.mesh import Transport
 from shoal.ports import free_port
 from tests.ranks import run_ranks
 

@@ -12,7 +12,7 @@ import torch
 
 import shoal
 import shoal.distributed as dist
-from shoal.comm import arena, futex
+from shoal.comm.shm import arena, futex
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not futex.supported(), reason="shared-memory collectives need Linux on x86-64")

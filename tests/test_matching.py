@@ -7,8 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from shoal.comm.frames import Op, Recv
-from shoal.comm.matching import Matcher
+from shoal.comm.transport.frames import Op, Recv
+from shoal.comm.transport.matching import Matcher
 from shoal.errors import CollectiveMismatchError, GroupBrokenError, PeerFailure
 
 SIG = (1, 0, 0, 0, 4)  # an all-reduce of four float32s

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from shoal.comm.reduce_op import ReduceOp
+from shoal.comm.algorithms.reduce_op import ReduceOp
 from shoal.comm.store import Store
 from shoal.elastic import membership as membership_module
 from shoal.elastic.membership import EvictedError, Generation, JobFinished, Membership

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
-from shoal.comm.work import OpQueue
+from shoal.comm.backends.work import OpQueue
 from tests.threads import linux_only, named, voluntary_switches
 
 TIMEOUT_S = 10

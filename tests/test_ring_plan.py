@@ -1,4 +1,4 @@
-"""Tests for the collective algorithms of `shoal.comm.ring`, run by threads over an in-process fake channel:
+"""Tests for the collective algorithms of `shoal.comm.algorithms.ring`, run by threads over an in-process fake channel:
 results are compared exactly with local references, and the frames each rank sends with the intended plan."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from shoal.comm import ring
-from shoal.comm.reduce_op import ReduceOp
+from shoal.comm.algorithms import ring
+from shoal.comm.algorithms.reduce_op import ReduceOp
 
 _WAIT_S = 10.0
 _JOIN_S = 20.0

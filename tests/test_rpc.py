@@ -20,7 +20,8 @@ import torch
 import shoal
 import shoal.distributed as dist
 from shoal import rpc
-from shoal.comm import auth, shm
+from shoal.comm.shm import lanes
+from shoal.comm.transport import auth
 from shoal.rpc import riders
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import runs_on_reader
@@ -230,7 +231,7 @@ def _large_tensors_kept(rank: int, world: int, port: int) -> dict:
     if rank == 0:
         # More 1 MiB tensors than the shared-memory lanes have slots, each kept alive on both sides:
         # the ones that arrived in a lent slot must keep their values while later ones travel.
-        count = 2 * shm.SLOTS
+        count = 2 * lanes.SLOTS
         doubled = [rpc.rpc_sync("w1", keep_tensor, args=(torch.full((1 << 18,), float(i)),)) for i in range(count)]
         out["doubled"] = uniform_values(doubled)
         out["kept"] = rpc.rpc_sync("w1", kept_values)

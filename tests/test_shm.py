@@ -9,12 +9,12 @@ import textwrap
 
 import torch
 
-from shoal.comm import shm
+from shoal.comm.shm import lanes
 
 
-def _lane() -> tuple[shm.Outbound, shm.Inbound]:
-    outbound = shm.Outbound()
-    inbound = shm.Inbound(outbound.name)
+def _lane() -> tuple[lanes.Outbound, lanes.Inbound]:
+    outbound = lanes.Outbound()
+    inbound = lanes.Inbound(outbound.name)
     outbound.accepted()
     return outbound, inbound
 
@@ -43,7 +43,7 @@ def test_a_lent_slot_stays_taken_until_its_tensor_and_views_are_freed() -> None:
 def test_lending_stops_at_the_limit_and_copies_still_work() -> None:
     outbound, inbound = _lane()
     kept = []
-    for i in range(shm.LENDABLE_SLOTS):
+    for i in range(lanes.LENDABLE_SLOTS):
         slot = outbound.put(memoryview(_frame(float(i)).view(torch.uint8).numpy()))
         kept.append(inbound.lend(slot, 1 << 20))
     slot = outbound.put(memoryview(_frame(-1.0).view(torch.uint8).numpy()))
@@ -61,9 +61,9 @@ def test_lending_stops_at_the_limit_and_copies_still_work() -> None:
 def test_a_frame_in_read_only_memory_goes_through_a_lane_without_a_warning() -> None:
     # torch warns once per process, so the check runs in a fresh one, with warnings as errors.
     code = textwrap.dedent("""
-        from shoal.comm import shm
-        outbound = shm.Outbound()
-        inbound = shm.Inbound(outbound.name)
+        from shoal.comm.shm import lanes
+        outbound = lanes.Outbound()
+        inbound = lanes.Inbound(outbound.name)
         outbound.accepted()
         body = bytes(range(256)) * 4096  # a pickled RPC body is bytes: read-only
         slot = outbound.put(memoryview(body))

@@ -1,6 +1,7 @@
 """shoal's communication library: process groups, collectives and point-to-point over our own
 transport (backend "shoal") or torch.distributed (backends "gloo" and "nccl")."""
 
+from shoal.comm.algorithms.reduce_op import ReduceOp
 from shoal.comm.api import (
     all_gather,
     all_reduce,
@@ -25,9 +26,8 @@ from shoal.comm.api import (
     scatter,
     send,
 )
-from shoal.comm.group import ProcessGroup
-from shoal.comm.reduce_op import ReduceOp
-from shoal.comm.work import Work
+from shoal.comm.backends.group import ProcessGroup
+from shoal.comm.backends.work import Work
 
 __all__ = [
     "ProcessGroup",

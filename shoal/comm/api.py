@@ -13,12 +13,12 @@ from datetime import timedelta
 import torch
 
 from shoal.comm import clock, rendezvous
-from shoal.comm.c10d import C10dProcessGroup
-from shoal.comm.group import DEFAULT_TIMEOUT, ProcessGroup
-from shoal.comm.native import ShoalProcessGroup
-from shoal.comm.reduce_op import ReduceOp
+from shoal.comm.algorithms.reduce_op import ReduceOp
+from shoal.comm.backends.c10d import C10dProcessGroup
+from shoal.comm.backends.group import DEFAULT_TIMEOUT, ProcessGroup
+from shoal.comm.backends.native import ShoalProcessGroup
+from shoal.comm.backends.work import Work
 from shoal.comm.store import Store
-from shoal.comm.work import Work
 from shoal.observe import events, flight
 from shoal.observe.flight import recorder
 

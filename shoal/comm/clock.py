@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal.comm.group import ProcessGroup
+from shoal.comm.backends.group import ProcessGroup
 from shoal.observe import events
 
 _TAG = 0x7C10C  # apart from the small tags programs use for their own send/recv

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlparse
 
-from shoal.comm.auth import is_loopback
 from shoal.comm.store import Store
+from shoal.comm.transport.auth import is_loopback
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from shoal.comm.group import ProcessGroup
+from shoal.comm.backends.group import ProcessGroup
 
 
 def share_state(group: ProcessGroup, state: dict[str, Any] | None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from shoal.backoff import attempts
-from shoal.comm.native import ShoalProcessGroup
+from shoal.comm.backends.native import ShoalProcessGroup
 from shoal.comm.store import Store
 
 _JOIN_WAIT = timedelta(minutes=10)  # how long a joiner waits to be admitted: between steps may be long (evaluation)

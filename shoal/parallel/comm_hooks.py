@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.comm.group import ProcessGroup
-from shoal.comm.reduce_op import ReduceOp
-from shoal.comm.work import Work
+from shoal.comm.algorithms.reduce_op import ReduceOp
+from shoal.comm.backends.group import ProcessGroup
+from shoal.comm.backends.work import Work
 
 
 @dataclass

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from shoal.comm.group import ProcessGroup
-from shoal.comm.reduce_op import ReduceOp
+from shoal.comm.algorithms.reduce_op import ReduceOp
+from shoal.comm.backends.group import ProcessGroup
 from shoal.observe import events
 from shoal.parallel.buckets import Bucket, assign_buckets
 from shoal.parallel.comm_hooks import GradBucket, Pending, allreduce_hook

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.comm import dtypes
+from shoal.comm.transport import dtypes
 
 MAX_DIMS = 8
 # num_stages, sender, n_microbatches, training, batch_size, dtype code, ndim, then MAX_DIMS dims (zero-padded)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 import shoal.distributed as dist
-from shoal.comm.group import ProcessGroup
-from shoal.comm.work import Work
+from shoal.comm.backends.group import ProcessGroup
+from shoal.comm.backends.work import Work
 from shoal.errors import CollectiveMismatchError, PeerFailure
 from shoal.pipeline.header import LENGTH, StepHeader
 

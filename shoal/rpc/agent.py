@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from shoal.backoff import attempts
-from shoal.comm import mesh, rendezvous
-from shoal.comm.transport import Transport
+from shoal.comm import rendezvous
+from shoal.comm.transport import Transport, connect, listen
 from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.observe import events
 from shoal.rpc import autograd_hook, current
@@ -80,7 +80,7 @@ class RpcAgent:
         rank, world_size = endpoint.rank, endpoint.world_size
         # A namespace of its own: a process group may share this store (and its server).
         store = rendezvous.join(endpoint, timeout, namespace="shoal-rpc/")
-        transport, entries = mesh.listen(store, rank, world_size, toward=endpoint.host, timeout=timeout,
+        transport, entries = listen(store, rank, world_size, toward=endpoint.host, timeout=timeout,
                                          stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,))
         agent: RpcAgent | None = None
         try:
@@ -97,7 +97,7 @@ class RpcAgent:
             if hook is not None:
                 hook.started(rank)
             current.set_current(agent)  # calls may arrive as soon as we connect, before init_rpc returns
-            mesh.connect(transport, entries, timeout)
+            connect(transport, entries, timeout)
             # Nobody sends before every agent listens for RPC frames.
             store.set(f"ready/{rank}", 1)
             store.wait([f"ready/{r}" for r in range(world_size)], timeout=timeout)

@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-from shoal.comm.frames import Payload, SendTracker
-from shoal.comm.ring import as_bytes
-from shoal.comm.transport import Transport
+from shoal.comm.transport import Payload, SendTracker, Transport, as_bytes
 from shoal.rpc.headers import Kind
 from shoal.rpc.message import Encoded
 

@@ -24,9 +24,9 @@ from typing import Protocol
 
 import torch
 
-from shoal.comm import shm
-from shoal.comm.frame_header import ACK_NOW, NO_SLOT, SIZE, FrameHeader, Kind, recv_exact, send_frame
-from shoal.comm.frames import Payload, SendTracker
+from shoal.comm.shm import lanes
+from shoal.comm.transport.frame_header import ACK_NOW, NO_SLOT, SIZE, FrameHeader, Kind, recv_exact, send_frame
+from shoal.comm.transport.frames import Payload, SendTracker
 from shoal.errors import PeerFailure
 from shoal.observe import events
 
@@ -125,15 +125,15 @@ class PeerLink:
         self._acked_out = 0  # the last number we acknowledged to the peer
         self._ack_due = False
         self.last_heard = self.last_sent = time.monotonic()
-        self._lane_out: shm.Outbound | None = None
-        self._lane_in: shm.Inbound | None = None
+        self._lane_out: lanes.Outbound | None = None
+        self._lane_in: lanes.Inbound | None = None
         self._header_buffer = bytearray(SIZE)  # the reader's, reused for every header
 
     def start(self, start_thread: Callable[..., None]) -> None:
         """Start reading and sending, offering a shared-memory lane first where this host has them."""
         start_thread(self._read_loop, name=f"shoal-read-{self.rank}")
-        if shm.available():
-            self._lane_out = shm.Outbound()
+        if lanes.available():
+            self._lane_out = lanes.Outbound()
             name = self._lane_out.name.encode()
             self._enqueue(FrameHeader(Kind.SHM_OFFER, len(name)), memoryview(name), None)
         start_thread(self._send_loop, name=f"shoal-send-{self.rank}")
@@ -452,7 +452,7 @@ class PeerLink:
 
     def _accept_lane(self, name: str) -> None:
         try:
-            self._lane_in = shm.Inbound(name)
+            self._lane_in = lanes.Inbound(name)
         except (OSError, ValueError):
             return  # another host (or no /dev/shm): the peer keeps sending everything over TCP
         self._enqueue(FrameHeader(Kind.SHM_ACCEPT), memoryview(b""), None)

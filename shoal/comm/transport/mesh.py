@@ -14,11 +14,11 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from shoal.backoff import attempts
-from shoal.comm import auth
-from shoal.comm.frame_header import ACK_NOW, FrameHeader, Kind
-from shoal.comm.frames import Op, Payload, Recv, SendTracker
-from shoal.comm.link import MAX_ABORT_TEXT, PeerLink, process_gone, resume_handshake
-from shoal.comm.matching import Matcher
+from shoal.comm.transport import auth
+from shoal.comm.transport.frame_header import ACK_NOW, FrameHeader, Kind
+from shoal.comm.transport.frames import Op, Payload, Recv, SendTracker
+from shoal.comm.transport.link import MAX_ABORT_TEXT, PeerLink, process_gone, resume_handshake
+from shoal.comm.transport.matching import Matcher
 from shoal.errors import CollectiveMismatchError, PeerFailure
 from shoal.observe import events
 from shoal.observe.flight import recorder

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from shoal.comm.frames import Held, Op, Recv, Signature
+from shoal.comm.transport.frames import Held, Op, Recv, Signature
 from shoal.errors import CollectiveMismatchError, GroupBrokenError, PeerFailure
 
 # Frame key: (src, group, tag, seq, sub)

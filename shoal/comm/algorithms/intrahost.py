@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from shoal.comm.arena import INPUT_BYTES, Arena
-from shoal.comm.reduce_op import ReduceOp, finish_, finish_into, reduce_into
-from shoal.comm.ring import SMALL_BYTES, split
-from shoal.comm.segments import Segments
+from shoal.comm.algorithms.reduce_op import ReduceOp, finish_, finish_into, reduce_into
+from shoal.comm.algorithms.ring import SMALL_BYTES, split
+from shoal.comm.algorithms.segments import Segments
+from shoal.comm.shm.arena import INPUT_BYTES, Arena
 
 __all__ = ["all_gather", "all_reduce", "barrier", "broadcast", "reduce_scatter"]
 

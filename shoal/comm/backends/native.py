@@ -17,15 +17,16 @@ from datetime import timedelta
 
 import torch
 
-from shoal.comm import dtypes, mesh, placement, ring, routing
-from shoal.comm.frames import Op, Recv, SendTracker, Signature
-from shoal.comm.group import ProcessGroup
-from shoal.comm.reduce_op import ReduceOp
-from shoal.comm.segments import Segments
-from shoal.comm.staging import staged
+from shoal.comm.algorithms import placement, ring, routing
+from shoal.comm.algorithms.reduce_op import ReduceOp
+from shoal.comm.algorithms.segments import Segments
+from shoal.comm.backends.group import ProcessGroup
+from shoal.comm.backends.work import OpQueue, Work
 from shoal.comm.store import Store
-from shoal.comm.transport import Transport
-from shoal.comm.work import OpQueue, Work
+from shoal.comm.transport import bring_up, dtypes
+from shoal.comm.transport.frames import Op, Recv, SendTracker, Signature, as_bytes
+from shoal.comm.transport.mesh import Transport
+from shoal.comm.transport.staging import staged
 from shoal.errors import CollectiveMismatchError, GroupBrokenError
 from shoal.observe import events
 from shoal.observe.flight import recorder
@@ -118,10 +119,10 @@ class ShoalProcessGroup(ProcessGroup):
     def create(cls, store: Store, rank: int, world_size: int, timeout: timedelta,
                master_host: str) -> ShoalProcessGroup:
         """The world group: connected to every other rank (mesh.py)."""
-        transport, entries = mesh.listen(store, rank, world_size, toward=master_host, timeout=timeout,
+        transport, entries = bring_up.listen(store, rank, world_size, toward=master_host, timeout=timeout,
                                          stall_timeout=timeout)
         try:
-            mesh.connect(transport, entries, timeout)
+            bring_up.connect(transport, entries, timeout)
         except BaseException:
             transport.close()
             raise
@@ -308,7 +309,7 @@ class ShoalProcessGroup(ProcessGroup):
             self._flow(True, me, peer, op, self._p2p_running(work, op, me, peer, flat))
             try:
                 tracker = SendTracker(on_done=work.finish)
-                self.transport.send(op, self.ranks[dst], 0, ring.as_bytes(flat), tracker)
+                self.transport.send(op, self.ranks[dst], 0, as_bytes(flat), tracker)
             except Exception as exc:
                 work.finish(exc)
 
@@ -335,7 +336,7 @@ class ShoalProcessGroup(ProcessGroup):
             nonlocal started
             started = self._p2p_running(work, op, self.ranks[src], self.transport.rank, flat)
             try:
-                self.transport.post_recv(op, self.ranks[src], 0, ring.as_bytes(flat), on_done=landed)
+                self.transport.post_recv(op, self.ranks[src], 0, as_bytes(flat), on_done=landed)
             except Exception as exc:
                 work.finish(exc)
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.comm import arena, futex, region, ring
-from shoal.comm.arena import Arena
-from shoal.comm.region import Region
+from shoal.comm.algorithms import ring
+from shoal.comm.shm import arena, futex, region
+from shoal.comm.shm.arena import Arena
+from shoal.comm.shm.region import Region
 
 log = logging.getLogger(__name__)
 

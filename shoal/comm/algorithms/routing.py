@@ -13,12 +13,12 @@ from typing import Protocol
 
 import torch
 
-from shoal.comm import intrahost, ring
-from shoal.comm.arena import Watch
-from shoal.comm.frames import Op
-from shoal.comm.placement import Placement, Subchannel
-from shoal.comm.reduce_op import ReduceOp, finish_
-from shoal.comm.segments import Segments
+from shoal.comm.algorithms import intrahost, ring
+from shoal.comm.algorithms.placement import Placement, Subchannel
+from shoal.comm.algorithms.reduce_op import ReduceOp, finish_
+from shoal.comm.algorithms.segments import Segments
+from shoal.comm.shm.arena import Watch
+from shoal.comm.transport.frames import Op
 
 
 class OpChannel(ring.Channel, Watch, Protocol):

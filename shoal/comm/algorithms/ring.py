@@ -15,8 +15,9 @@ from typing import Protocol
 
 import torch
 
-from shoal.comm.reduce_op import ReduceOp, combine_, finish_
-from shoal.comm.shm import SLOT_BYTES
+from shoal.comm.algorithms.reduce_op import ReduceOp, combine_, finish_
+from shoal.comm.shm.lanes import SLOT_BYTES
+from shoal.comm.transport.frames import as_bytes
 
 # Below this many bytes an all-reduce is one round of direct exchange: latency beats bandwidth.
 SMALL_BYTES = 64 << 10
@@ -41,11 +42,6 @@ class Channel(Protocol):
     def flush(self) -> None: ...
 
     def scratch(self, nbytes: int) -> torch.Tensor: ...
-
-
-def as_bytes(flat: torch.Tensor) -> memoryview:
-    """A writable memoryview of a contiguous CPU tensor's storage (no copy)."""
-    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def split(total: int, parts: int) -> list[int]:

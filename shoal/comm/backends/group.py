@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import torch
 
-from shoal.comm.reduce_op import ReduceOp
-from shoal.comm.work import Work
+from shoal.comm.algorithms.reduce_op import ReduceOp
+from shoal.comm.backends.work import Work
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 

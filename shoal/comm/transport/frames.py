@@ -13,6 +13,11 @@ import torch
 Signature = tuple[int, int, int, int, int]  # (op, dtype, reduce op, root, numel)
 
 
+def as_bytes(flat: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU tensor's storage (no copy): what a frame's payload is."""
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
 class Op:
     """One operation in flight: the identity frames carry, what every rank must agree on, who takes
     part (global ranks) and when to give up."""

@@ -16,7 +16,7 @@ import weakref
 import numpy
 import torch
 
-from shoal.comm.region import HEADER_BYTES, Region, available
+from shoal.comm.shm.region import HEADER_BYTES, Region, available
 
 __all__ = ["LENDABLE_SLOTS", "SLOTS", "SLOT_BYTES", "Inbound", "Outbound", "available"]
 

@@ -31,9 +31,9 @@ from typing import Protocol
 
 import torch
 
-from shoal.comm import futex
-from shoal.comm.frames import Op
-from shoal.comm.region import HEADER_BYTES, Region
+from shoal.comm.shm import futex
+from shoal.comm.shm.region import HEADER_BYTES, Region
+from shoal.comm.transport.frames import Op
 from shoal.errors import CollectiveMismatchError, GroupBrokenError
 
 # Header words, each on a cache line of its own (the region's token comes first).

@@ -10,7 +10,7 @@ import socket
 import struct
 from collections.abc import Callable
 
-from shoal.comm.frame_header import recv_exact
+from shoal.comm.transport.frame_header import recv_exact
 
 _MAGIC = b"SHOAL\x00v1"
 # Hello sent by the connecting side: magic, its rank, the rank it wants, a fresh nonce.

@@ -28,11 +28,11 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from shoal.comm.group import ProcessGroup
-from shoal.comm.reduce_op import ReduceOp, finish_
-from shoal.comm.staging import staged
+from shoal.comm.algorithms.reduce_op import ReduceOp, finish_
+from shoal.comm.backends.group import ProcessGroup
+from shoal.comm.backends.work import Work
 from shoal.comm.store import Store
-from shoal.comm.work import Work
+from shoal.comm.transport.staging import staged
 from shoal.errors import PeerFailure
 from shoal.observe.flight import recorder
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from shoal.comm.rendezvous import job_secret, local_address_towards
 from shoal.comm.store import Store
-from shoal.comm.transport import Transport
+from shoal.comm.transport.mesh import Transport
 
 
 def listen(store: Store, rank: int, world_size: int, *, toward: str, timeout: timedelta,
