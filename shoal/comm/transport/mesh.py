@@ -17,8 +17,10 @@ from shoal.backoff import attempts
 from shoal.comm.transport import auth
 from shoal.comm.transport.frame_header import ACK_NOW, FrameHeader, Kind
 from shoal.comm.transport.frames import Op, Payload, Recv, SendTracker
-from shoal.comm.transport.link import MAX_ABORT_TEXT, PeerLink, process_gone, resume_handshake
+from shoal.comm.transport.healing import process_gone, resume_handshake
+from shoal.comm.transport.link import PeerLink
 from shoal.comm.transport.matching import Matcher
+from shoal.comm.transport.reading import MAX_ABORT_TEXT
 from shoal.errors import CollectiveMismatchError, PeerFailure
 from shoal.observe import events
 from shoal.observe.flight import recorder

@@ -1,0 +1,239 @@
+"""A link's sending half: frames numbered in the order they are written, kept in the delivery window until the
+peer acknowledges them, and the acknowledgements and heartbeats that keep the peer informed.
+
+Frames go out through a send thread fed by an outbox (small ones may be written by the calling thread
+instead). Every frame but acknowledgements and heartbeats carries a number; the peer's reader acknowledges
+each one as soon as it is in, and until then the frame (and the buffer it points into: nothing is copied)
+waits in the window, to be replayed if the connection drops (healing.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from shoal.comm.shm import lanes
+from shoal.comm.transport.frame_header import ACK_NOW, FrameHeader, Kind, send_frame
+from shoal.comm.transport.frames import SendTracker
+from shoal.errors import PeerFailure
+
+if TYPE_CHECKING:
+    from shoal.comm.transport.link import LinkOwner
+
+# Frames up to this size are written by the calling thread when nothing is queued for the peer:
+# a thread hand-off costs more than the copy. Reader threads never write inline (see `send`).
+INLINE_BYTES = 64 << 10
+on_reader_thread = threading.local()
+
+
+class _SocketFull(Exception):
+    """A write that must not block found no room in the socket's buffer."""
+
+
+class Frame:
+    """A numbered frame kept in the window until the peer acknowledges it."""
+
+    __slots__ = ("header", "number", "payload", "tracker")
+
+    def __init__(self, header: FrameHeader, number: int, payload: memoryview, tracker: SendTracker | None) -> None:
+        self.header, self.number, self.payload, self.tracker = header, number, payload, tracker
+
+
+class Delivery:
+    """The sending half of `PeerLink` (link.py), which holds the state declared here and sets it up."""
+
+    rank: int
+    _owner: LinkOwner
+    received: int
+    last_sent: float
+    _sock: socket.socket
+    _outbox: queue.SimpleQueue
+    _queued: int
+    _write_lock: threading.Lock
+    _state: threading.Lock
+    _window: collections.deque[Frame]
+    _next_number: int
+    _broken: bool
+    _replay_due: bool
+    _retired: list[socket.socket]
+    _gone: PeerFailure | None
+    _acked_out: int
+    _ack_due: bool
+    _lane_out: lanes.Outbound | None
+
+    def send(self, header: FrameHeader, payload: memoryview, tracker: SendTracker | None, *,
+             eager: bool = False) -> None:
+        """Send one frame without waiting; `tracker` settles when the peer has it, so `payload` may be
+        reused (or with the error that ended the link).
+
+        Small frames (any frame with `eager`) are written by the calling thread when nothing is queued
+        before them, so order is kept; a reader thread never writes inline: one blocked in a write could
+        stop draining its socket while the peer's reader does the same."""
+        if tracker is not None:
+            tracker.add()
+        if ((eager or len(payload) <= INLINE_BYTES) and not getattr(on_reader_thread, "active", False)
+                and self._write_lock.acquire(blocking=False)):
+            try:
+                with self._state:
+                    idle = self._queued == 0
+                if idle:
+                    self._write(header, payload, tracker)
+                    return
+            finally:
+                self._write_lock.release()
+                self._flush_ack()
+        self._enqueue(header, payload, tracker)
+
+    def _enqueue(self, header: FrameHeader | None, payload: memoryview, tracker: SendTracker | None) -> None:
+        """Queue a frame for the send thread; header None asks it only to write what is due (replay, ack)."""
+        with self._state:
+            self._queued += 1
+        self._outbox.put((header, payload, tracker))
+
+    def finish(self, tracker: SendTracker) -> None:
+        """Say goodbye after everything queued, then let the send thread end; `tracker` settles when
+        the peer has the goodbye."""
+        tracker.add()
+        self._enqueue(FrameHeader(Kind.BYE, flags=ACK_NOW), memoryview(b""), tracker)
+        self._outbox.put(None)
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            header, payload, tracker = item
+            with self._write_lock:
+                if header is not None:
+                    self._write(header, payload, tracker)
+                else:
+                    self._write_due()
+            with self._state:
+                self._queued -= 1
+            self._flush_ack()
+
+    def _write(self, header: FrameHeader, payload: memoryview, tracker: SendTracker | None) -> None:
+        """Number a frame, keep it in the window and write it (a large one through the shared-memory lane
+        when a slot is free). The caller holds the write lock, which makes it the lane's only writer."""
+        if header.kind == Kind.DATA and len(payload) > INLINE_BYTES and self._lane_out is not None:
+            slot = self._lane_out.put(payload)
+            if slot is not None:
+                header, payload = header._replace(slot=slot), memoryview(b"")
+        with self._state:
+            error = self._gone
+            if error is None:
+                frame = Frame(header, self._next_number, payload, tracker)
+                self._next_number += 1
+                self._window.append(frame)
+                if self._broken:
+                    return  # replayed once a new connection is in
+                replay, self._replay_due = self._replay_due, False
+                sock = self._sock
+                frames = list(self._window) if replay else [frame]
+        if error is not None:
+            if tracker is not None:
+                tracker.settle(error)
+            return
+        self._transmit_all(frames, sock)
+
+    def _write_due(self) -> None:
+        """Replay the window onto a new connection, or write an acknowledgement that is due. The caller
+        holds the write lock."""
+        with self._state:
+            retired, self._retired = self._retired, []
+            usable = not self._broken and self._gone is None
+            replay = usable and self._replay_due
+            self._replay_due = self._replay_due and not usable
+            sock = self._sock
+            frames = list(self._window) if replay else []
+        for old in retired:
+            old.close()
+        if not usable:
+            return
+        if frames:
+            self._transmit_all(frames, sock)
+        elif self.received > self._acked_out:
+            self._transmit(Frame(FrameHeader(Kind.ACK), 0, memoryview(b""), None), sock)
+
+    def _transmit_all(self, frames: list[Frame], sock: socket.socket) -> None:
+        for frame in frames:
+            if not self._transmit(frame, sock):
+                return  # the rest waits in the window for the next connection
+
+    def _transmit(self, frame: Frame, sock: socket.socket, flags: int = 0) -> bool:
+        """Write one frame, with our latest acknowledgement, on `sock` (the connection current when it was
+        numbered: a newer one gets the window replayed first). False when the write failed: the link is
+        then broken, and the reader heals it."""
+        ack = self.received
+        data = frame.header.pack(frame.number, ack)
+        try:
+            if flags:
+                try:
+                    sent = sock.send(data, flags)
+                except BlockingIOError:
+                    raise _SocketFull from None
+                if sent < len(data):
+                    sock.sendall(data[sent:])  # rare: never leave half a header on the stream
+            else:
+                send_frame(sock, data, frame.payload)
+        except OSError as exc:  # a write that stalled past SO_SNDTIMEO too: heal and replay
+            self._break(sock, exc)
+            return False
+        self._acked_out = max(self._acked_out, ack)
+        self.last_sent = time.monotonic()
+        return True
+
+    def _flush_ack(self) -> None:
+        """Acknowledge what the reader has taken in, unless another writer holds the lock: that one
+        will, as its frame carries the acknowledgement or as it calls this again after letting go."""
+        while self._ack_due and self._write_lock.acquire(blocking=False):
+            try:
+                self._ack_due = False
+                if self.received > self._acked_out:
+                    self._control(Kind.ACK)
+            finally:
+                self._write_lock.release()
+
+    def _control(self, kind: Kind) -> None:
+        """Write an acknowledgement or heartbeat without blocking (the caller may be the reader); when
+        the socket is full, the send thread writes what is due instead. The caller holds the write lock."""
+        with self._state:
+            if self._broken or self._replay_due or self._gone is not None:
+                return  # the replay carries the acknowledgement; a heartbeat can wait
+            sock = self._sock
+        try:
+            self._transmit(Frame(FrameHeader(kind), 0, memoryview(b""), None), sock, socket.MSG_DONTWAIT)
+        except _SocketFull:
+            self._enqueue(None, memoryview(b""), None)
+
+    def heartbeat(self, now: float, interval: float, timeout: float) -> None:
+        """Called periodically: say we are alive when we have said nothing for `interval`, and give the
+        peer up when it has said nothing, not even a heartbeat, for `timeout`."""
+        if self._broken or self._gone is not None:
+            return
+        if now - self.last_heard > timeout:
+            self._owner.link_lost(self.rank, f"nothing heard from it for {timeout:g}s, not even a heartbeat: it "
+                                             f"is stopped or stuck, or the network between us is down")
+        elif now - self.last_sent >= interval and self._write_lock.acquire(blocking=False):
+            try:  # a writer holding the lock is about to be heard anyway
+                self._control(Kind.HEARTBEAT)
+            finally:
+                self._write_lock.release()
+
+    def _acknowledged(self, number: int) -> None:
+        try:
+            if self._window[0].number > number:
+                return  # nothing new: most headers repeat the acknowledgement before them
+        except IndexError:  # nothing is waiting for one
+            return
+        settled = []
+        with self._state:
+            while self._window and self._window[0].number <= number:
+                settled.append(self._window.popleft())
+        for frame in settled:
+            if frame.tracker is not None:
+                frame.tracker.settle(None)

@@ -1,0 +1,147 @@
+"""How a link survives the loss of its TCP connection while both processes live: the higher rank dials again,
+both sides authenticate and tell each other the last frame they received (`resume_handshake`), and the
+sender replays the rest of its window; the receiver drops any frame it already has, so every frame is
+delivered exactly once and in order. A peer whose listener refuses connections is gone, not healing."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from shoal.comm.transport.frame_header import recv_exact
+from shoal.errors import PeerFailure
+from shoal.observe import events
+
+if TYPE_CHECKING:
+    from shoal.comm.transport.link import LinkOwner
+
+log = logging.getLogger(__name__)
+
+# Sent by both ends of a new connection, after authenticating: the last frame number each has received,
+# and the port its listener is on (where the other end dials, or probes whether this process lives).
+_RESUME = struct.Struct("<QH")
+
+
+def resume_handshake(sock: socket.socket, received: int, listen_port: int) -> tuple[int, int]:
+    """Exchange (last frame received, listener port) with the peer on a freshly authenticated socket."""
+    sock.sendall(_RESUME.pack(received, listen_port))
+    reply = bytearray(_RESUME.size)
+    recv_exact(sock, memoryview(reply))
+    return _RESUME.unpack(reply)
+
+
+class Healing:
+    """The healing of `PeerLink` (link.py), which holds the state declared here and sets it up."""
+
+    rank: int
+    _owner: LinkOwner
+    last_heard: float
+    _sock: socket.socket
+    _dialer: bool
+    _address: tuple[str, int]
+    _heal_timeout: float
+    _state: threading.Lock
+    _state_changed: threading.Condition
+    _broken: bool
+    _replay_due: bool
+    _replacement: tuple[socket.socket, int] | None
+    _retired: list[socket.socket]
+    _gone: PeerFailure | None
+
+    def _break(self, sock: socket.socket, exc: OSError) -> None:
+        """A write on `sock` failed: frames wait in the window; the reader, woken here, heals the link."""
+        with self._state:
+            if sock is not self._sock:
+                return  # an old connection, already replaced
+            self._broken = True
+        log.info("connection to rank %d broke while writing (%s); healing", self.rank, exc)
+        shut(sock)
+
+    def replace(self, sock: socket.socket, peer_received: int) -> None:
+        """The peer dialled us again (it found the connection broken first, or so did we)."""
+        with self._state:
+            if self._gone is not None:
+                sock.close()
+                return
+            old, self._replacement = self._replacement, (sock, peer_received)
+            current = self._sock
+            self._broken = True
+            self._state_changed.notify_all()
+        if old is not None:
+            old[0].close()
+        shut(current)  # the reader, if still on it, moves to the new connection
+
+    def _heal(self, sock: socket.socket, exc: OSError) -> None:
+        """Replace a dropped connection (reader thread): dial again or wait to be dialled, until the
+        heal deadline; PeerFailure (after telling the owner) when the peer's process is gone or the
+        deadline passes."""
+        with self._state:
+            self._broken = True
+            self._retired.append(sock)
+        shut(sock)
+        log.info("connection to rank %d dropped (%s); healing", self.rank, exc)
+        healing = events.begin()
+        deadline = time.monotonic() + self._heal_timeout
+        try:
+            new, peer_received = (self._owner.redial(self, self._address, deadline) if self._dialer
+                                  else self._await_redial(deadline))
+        except PeerFailure as failure:
+            raise self._owner.link_lost(self.rank, failure.detail) from None
+        except TimeoutError:
+            raise self._owner.link_lost(self.rank, f"the connection dropped ({exc}) and could not be restored "
+                                                   f"within {self._heal_timeout:g}s") from None
+        self._acknowledged(peer_received)
+        with self._state:
+            if self._gone is not None or self._owner.closed:  # given up or closed while we healed
+                new.close()
+                raise self._gone or PeerFailure(self.rank, "the transport closed while the link healed")
+            self._sock, self._broken = new, False
+            self._replay_due = bool(self._window)
+            self.last_heard = time.monotonic()
+        self._enqueue(None, memoryview(b""), None)  # the send thread replays (never the reader: see send)
+        log.info("connection to rank %d restored", self.rank)
+        events.complete(f"link to rank {self.rank} healed", events.FAULT, healing, peer=self.rank, cause=str(exc),
+                        frames_to_resend=len(self._window))
+
+    def _await_redial(self, deadline: float) -> tuple[socket.socket, int]:
+        """Wait for the peer to dial us again, checking between waits that its process still listens."""
+        delay = 0.05
+        while True:
+            with self._state:
+                if self._state_changed.wait_for(lambda: self._replacement is not None or self._gone is not None,
+                                                timeout=max(0.0, min(delay, deadline - time.monotonic()))):
+                    if self._gone is not None:
+                        raise self._gone
+                    found, self._replacement = self._replacement, None
+                    return found
+            if time.monotonic() >= deadline:
+                raise TimeoutError
+            _probe(self._address, self.rank)
+            delay = min(2 * delay, 0.5)
+
+
+def shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def process_gone(rank: int) -> PeerFailure:
+    """A dropped connection whose peer's listener refuses connections: not a link to heal."""
+    return PeerFailure(rank, "its process is gone (its listener refuses connections)")
+
+
+def _probe(address: tuple[str, int], rank: int) -> None:
+    """PeerFailure if nothing listens at the peer's listener address any more: its process is gone."""
+    try:
+        with socket.create_connection(address, timeout=1.0):
+            pass
+    except ConnectionRefusedError:
+        raise process_gone(rank) from None
+    except OSError:
+        pass  # unreachable for now: the deadline decides
