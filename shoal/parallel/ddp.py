@@ -8,7 +8,6 @@ buckets, each bucket's all-reduce starting while backward is still computing the
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from torch.utils._pytree import tree_map_only
 
 from shoal.comm.algorithms.reduce_op import ReduceOp
 from shoal.comm.backends.group import ProcessGroup
+from shoal.comm.objects import all_gather_object
 from shoal.observe import events
 from shoal.parallel.buckets import Bucket, assign_buckets
 from shoal.parallel.comm_hooks import GradBucket, Pending, allreduce_hook
@@ -316,16 +316,8 @@ def _single_device(module: nn.Module, device_ids: list[int | torch.device] | Non
 
 def _check_same_parameters(named: list[tuple[str, torch.Tensor]], group: ProcessGroup) -> None:
     """Raise on every rank, naming the parameter and the ranks, if replicas differ in structure."""
-    mine = json.dumps([[n, list(p.shape), str(p.dtype)] for n, p in named]).encode()
-    length = torch.tensor([len(mine)], dtype=torch.int64, device=group.device)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=group.device) for _ in range(group.size)]
-    group.all_gather(lengths, length).wait()
-    longest = max(int(t.item()) for t in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=group.device)
-    padded[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    everyone = [torch.zeros(longest, dtype=torch.uint8, device=group.device) for _ in range(group.size)]
-    group.all_gather(everyone, padded).wait()
-    specs = [json.loads(bytes(t[:int(n.item())].tolist()).decode()) for t, n in zip(everyone, lengths, strict=True)]
+    specs: list[Any] = [None] * group.size
+    all_gather_object(group, specs, [[n, list(p.shape), str(p.dtype)] for n, p in named])
     for rank, spec in enumerate(specs):
         if spec == specs[0]:
             continue

@@ -1,0 +1,86 @@
+"""Object collectives (broadcast_object_list, all_gather_object, gather_object, scatter_object_list) on
+real ranks: each rank returns what it received, and the test compares it with what torch.distributed's
+own object collectives give for the same call, on a gloo group of the same ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.ranks import run_ranks
+
+
+def _objects_of(rank: int) -> list[Any]:
+    """Objects of several kinds and sizes, different on each rank."""
+    return [{"rank": rank, "name": f"worker{rank}"}, torch.arange(rank * 3, dtype=torch.float64), "x" * (rank * 5000),
+            None, (rank, [rank] * rank)]
+
+
+def _every_collective(rank: int, world: int, dist: Any, group: Any) -> dict[str, Any]:
+    """What each object collective leaves on this rank, with torch.distributed's names and arguments."""
+    got: dict[str, Any] = {}
+    broadcast = _objects_of(rank)
+    dist.broadcast_object_list(broadcast, src=1, group=group)
+    got["broadcast"] = broadcast
+    gathered = [None] * world
+    dist.all_gather_object(gathered, _objects_of(rank)[rank % 5], group=group)
+    got["all_gather"] = gathered
+    at_dst = [None] * world if rank == 0 else None
+    dist.gather_object(_objects_of(rank), at_dst, dst=0, group=group)
+    got["gather"] = at_dst
+    out = [None]
+    dist.scatter_object_list(out, [_objects_of(r) for r in range(world)] if rank == world - 1 else None,
+                             src=world - 1, group=group)
+    got["scatter"] = out
+    return got
+
+
+def _shoal_and_torch(rank: int, world: int, torch_port: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    import torch.distributed as torch_dist
+
+    import shoal.distributed as dist
+
+    ours = _every_collective(rank, world, dist, None)
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank, world_size=world)
+    try:
+        theirs = _every_collective(rank, world, torch_dist, None)
+    finally:
+        torch_dist.destroy_process_group()
+    return ours, theirs
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_object_collectives_leave_what_torch_distributed_leaves(world: int) -> None:
+    from shoal.ports import free_port
+
+    outcomes = run_ranks(_shoal_and_torch, world, free_port(), timeout=90)
+    for rank, (ours, theirs) in outcomes.items():
+        for name in ours:
+            assert _same(ours[name], theirs[name]), f"rank {rank}, {name}: shoal {ours[name]!r} torch {theirs[name]!r}"
+    assert outcomes[0][0]["gather"][2 % world] is not None  # the dst really holds every rank's objects
+
+
+def _bad_list_lengths(rank: int, world: int) -> str:
+    import shoal.distributed as dist
+
+    with pytest.raises(ValueError, match=r"object_list must hold one entry per rank of the group \(2\), got 1"):
+        dist.all_gather_object([None], rank)
+    with pytest.raises(ValueError, match="give src=0 or group_src=0, not both"):
+        dist.broadcast_object_list([rank], src=0, group_src=0)
+    return "raised"
+
+
+def test_object_collectives_name_a_list_of_the_wrong_length() -> None:
+    assert run_ranks(_bad_list_lengths, 2) == {0: "raised", 1: "raised"}
