@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "trace":
         _trace(args)
     elif args.command == "demo":
-        from shoal.elastic.launcher import LaunchConfig, Launcher
+        from shoal.elastic.launch_config import LaunchConfig
+        from shoal.elastic.launcher import Launcher
 
         command = ["-m", "shoal.demo", "--epochs", str(args.epochs), "--backend", args.backend]
         if args.checkpoint_dir:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.elastic.launcher import parse_args
+from shoal.elastic.launch_config import parse_args
 from shoal.ports import free_port
 from tests.ranks import wait_gone
 

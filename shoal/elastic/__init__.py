@@ -2,7 +2,8 @@
 training that goes on in the same processes when workers are lost, and that workers join, on
 generations of membership."""
 
-from shoal.elastic.launcher import LaunchConfig, Launcher, parse_args
+from shoal.elastic.launch_config import LaunchConfig, parse_args
+from shoal.elastic.launcher import Launcher
 from shoal.elastic.live import LiveTraining
 from shoal.elastic.membership import EvictedError, Generation, JobFinished, Membership
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import secrets
-import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -40,6 +38,7 @@ from shoal.comm.store import Store
 from shoal.data.elastic import ElasticSampler
 from shoal.elastic.decisions import DISCARD, GROW, StepDecisions
 from shoal.elastic.handover import share_state
+from shoal.elastic.identity import member_id
 from shoal.elastic.membership import JobFinished, Membership
 from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.observe import events
@@ -73,8 +72,7 @@ class LiveTraining:
                               is_server=False, timeout=timeout)
         # Every rank counts its trainings alike, so a second one in the job never reads the first one's keys.
         self._store = store.scoped(f"live/{next(_trainings)}/")
-        me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-        self.membership = Membership(self._store.scoped("generations/"), me, host=host, timeout=timeout)
+        self.membership = Membership(self._store.scoped("generations/"), member_id(), host=host, timeout=timeout)
         self.optimizer, self.sampler, self._extra = optimizer, sampler, dict(extra or {})
         self.min_workers, self._timeout = min_workers, timeout
         self.steps = 0
