@@ -4,10 +4,7 @@
 # records into its contexts, on every worker, whether or not the worker's own code imports it.
 import shoal.autograd  # noqa: F401
 from shoal.errors import CollectiveMismatchError, GroupBrokenError, PeerFailure
-from shoal.observe import timeline
 from shoal.parallel import DistributedDataParallel
 
 __all__ = ["CollectiveMismatchError", "DistributedDataParallel", "GroupBrokenError", "PeerFailure"]
 __version__ = "0.1.0"
-
-timeline.start_from_environment()  # SHOAL_TRACE=DIR, set by `shoal run --trace DIR`

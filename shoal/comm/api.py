@@ -6,13 +6,13 @@ Ranks in `src`/`dst` arguments are global ranks, even with a subgroup, as in tor
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from shoal import config
 from shoal.comm import clock, objects, rendezvous
 from shoal.comm.algorithms.reduce_op import ReduceOp
 from shoal.comm.backends.c10d import C10dProcessGroup
@@ -20,7 +20,7 @@ from shoal.comm.backends.group import DEFAULT_TIMEOUT, ProcessGroup
 from shoal.comm.backends.native import ShoalProcessGroup
 from shoal.comm.backends.work import Work
 from shoal.comm.store import Store
-from shoal.observe import events, flight
+from shoal.observe import events, flight, timeline
 from shoal.observe.flight import recorder
 
 # How each backend builds its world group from a joined store: (store, rank, world_size, timeout, host).
@@ -35,15 +35,16 @@ _subgroups: list[ProcessGroup] = []
 
 
 def _timeout_from_env(default: timedelta) -> timedelta:
-    seconds = os.environ.get("SHOAL_TIMEOUT_S")
-    return timedelta(seconds=float(seconds)) if seconds else default
+    seconds = config.SHOAL_TIMEOUT_S.get()
+    return timedelta(seconds=seconds) if seconds is not None else default
 
 
 def init_process_group(backend: str = "shoal", init_method: str = "env://", rank: int | None = None,
                        world_size: int | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     """Join the job: rendezvous through the store at `init_method`, then connect the ranks.
 
-    `timeout` bounds the rendezvous and every later operation (SHOAL_TIMEOUT_S overrides it).
+    `timeout` bounds the rendezvous and every later operation (SHOAL_TIMEOUT_S overrides it). Where
+    SHOAL_TRACE names a directory (`shoal run --trace DIR`), this process's timeline starts here.
     """
     global _world
     if _world is not None:
@@ -51,6 +52,7 @@ def init_process_group(backend: str = "shoal", init_method: str = "env://", rank
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
     timeout = _timeout_from_env(timeout)
+    timeline.start_from_environment()
     endpoint = rendezvous.resolve(init_method, rank, world_size)
     store = rendezvous.join(endpoint, timeout)
     _world = BACKENDS[backend](store, endpoint.rank, endpoint.world_size, timeout, endpoint.host)

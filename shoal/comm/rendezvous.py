@@ -8,17 +8,20 @@ so the store outlives any worker. Otherwise rank 0 serves it."""
 from __future__ import annotations
 
 import collections
-import os
 import secrets
 import socket
 import threading
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 from urllib.parse import urlparse
 
+from shoal import config
 from shoal.comm.store import Store
 from shoal.comm.transport.auth import is_loopback
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,10 @@ def resolve(init_method: str, rank: int | None, world_size: int | None) -> Endpo
     """Read the store address and this rank's place from `env://` variables or a `tcp://` URL."""
     url = urlparse(init_method)
     if url.scheme == "env":
-        host = _env("MASTER_ADDR")
-        port = int(_env("MASTER_PORT"))
-        rank = int(_env("RANK")) if rank is None else rank
-        world_size = int(_env("WORLD_SIZE")) if world_size is None else world_size
+        host = _env(config.MASTER_ADDR)
+        port = _env(config.MASTER_PORT)
+        rank = _env(config.RANK) if rank is None else rank
+        world_size = _env(config.WORLD_SIZE) if world_size is None else world_size
     elif url.scheme == "tcp":
         if not url.hostname or not url.port:
             raise ValueError(f"init_method {init_method!r} must look like tcp://host:port")
@@ -58,14 +61,14 @@ def resolve(init_method: str, rank: int | None, world_size: int | None) -> Endpo
 
 
 def _served_by_launcher(host: str, port: int) -> bool:
-    return (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and (host, str(port)) == (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")))
+    return (config.TORCHELASTIC_USE_AGENT_STORE.get()
+            and (host, port) == (config.MASTER_ADDR.get(), config.MASTER_PORT.get()))
 
 
-def _env(name: str) -> str:
-    value = os.environ.get(name)
-    if not value:
-        raise ValueError(f"init_method env:// needs the environment variable {name} (the launcher "
+def _env(variable: config.Variable[T | None]) -> T:
+    value = variable.get()
+    if value is None:
+        raise ValueError(f"init_method env:// needs the environment variable {variable.name} (the launcher "
                          f"`shoal run` sets it), or pass it as an argument")
     return value
 
@@ -136,7 +139,7 @@ def job_secret(store: Store, rank: int, bind_host: str, timeout: timedelta) -> t
     if rank == 0:
         store.set("session", secrets.token_hex(16))
     session = store.get("session", timeout=timeout).encode()
-    secret = os.environ.get("SHOAL_SECRET")
+    secret = config.SHOAL_SECRET.get()
     if secret:
         return secret.encode(), session
     if not is_loopback(bind_host):

@@ -33,6 +33,7 @@ import threading
 import time
 
 from shoal.comm.store import Store
+from shoal.config import SHOAL_SECRET
 from shoal.elastic.flight_records import collect_flight_records
 from shoal.elastic.identity import member_id
 from shoal.elastic.launch_config import LaunchConfig, parse_args
@@ -59,7 +60,7 @@ class Launcher:
 
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
-        self.secret = os.environ.get("SHOAL_SECRET") or (secrets.token_hex(32) if config.max_nodes == 1 else "")
+        self.secret = SHOAL_SECRET.get() or (secrets.token_hex(32) if config.max_nodes == 1 else "")
         self._workers: list[Worker] = []
         self._replaced: list[Worker] = []  # lost workers that new ones took the place of (--live)
         self._stopping = threading.Event()

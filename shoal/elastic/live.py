@@ -22,7 +22,6 @@ gradients (BatchNorm's running statistics, the random number generators) is not 
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal import config
 from shoal.backoff import attempts
 from shoal.comm.store import Store
 from shoal.data.elastic import ElasticSampler
@@ -41,7 +41,7 @@ from shoal.elastic.handover import share_state
 from shoal.elastic.identity import member_id
 from shoal.elastic.membership import JobFinished, Membership
 from shoal.errors import GroupBrokenError, PeerFailure
-from shoal.observe import events
+from shoal.observe import events, timeline
 from shoal.parallel import DistributedDataParallel
 
 _LOSSES = (PeerFailure, GroupBrokenError)  # what ends a generation; anything else is the script's error
@@ -60,16 +60,17 @@ class LiveTraining:
                  extra: Mapping[str, Any] | None = None, min_workers: int | None = None,
                  timeout: timedelta = timedelta(seconds=60), **ddp_options: Any) -> None:
         if min_workers is None:
-            min_workers = int(os.environ.get("SHOAL_MIN_WORKERS", 1))
-        if not 1 <= min_workers <= int(os.environ.get("WORLD_SIZE", min_workers)):
+            min_workers = config.SHOAL_MIN_WORKERS.get() or 1
+        launched = config.WORLD_SIZE.get()
+        if not 1 <= min_workers <= (min_workers if launched is None else launched):
             raise ValueError(f"min_workers must be between 1 and the launched world size "
-                             f"({os.environ.get('WORLD_SIZE')}), got {min_workers}")
-        if os.environ.get("SHOAL_LIVE") != "1" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+                             f"({launched}), got {min_workers}")
+        if not (config.SHOAL_LIVE.get() and config.TORCHELASTIC_USE_AGENT_STORE.get()):
             raise RuntimeError("live recovery needs a launcher that serves the store and keeps the other workers "
                                "running when one is lost: run the script under `shoal run --live`")
-        host = os.environ["MASTER_ADDR"]
-        store = Store.connect(host, int(os.environ["MASTER_PORT"]), world_size=int(os.environ["WORLD_SIZE"]),
-                              is_server=False, timeout=timeout)
+        timeline.start_from_environment()  # `shoal run --trace DIR`
+        host = config.MASTER_ADDR.get()
+        store = Store.connect(host, config.MASTER_PORT.get(), world_size=launched, is_server=False, timeout=timeout)
         # Every rank counts its trainings alike, so a second one in the job never reads the first one's keys.
         self._store = store.scoped(f"live/{next(_trainings)}/")
         self.membership = Membership(self._store.scoped("generations/"), member_id(), host=host, timeout=timeout)
@@ -85,8 +86,7 @@ class LiveTraining:
         self.model: DistributedDataParallel | None = None
         # A worker of a node that arrived after the job formed joins it; so does one whose launch rank is
         # taken (its launcher started it in place of a lost one).
-        joining = os.environ.get("SHOAL_JOINING") == "1"
-        first = None if joining else self.membership.first(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        first = None if config.SHOAL_JOINING.get() else self.membership.first(config.RANK.get(), launched)
         self._holds_state = first is not None  # a joiner holds the training state once rank 0 has shared it
         try:
             self.generation = first if first is not None else self.membership.join()

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-CAPACITY_ENV = "SHOAL_FLIGHT_RECORDER"
-DIR_ENV = "SHOAL_FLIGHT_DIR"
+from shoal import config
+
 FILE_PREFIX = "flight-"
 
 
@@ -62,7 +62,7 @@ class Entry:
 class FlightRecorder:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.rank: int | None = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else None
+        self.rank: int | None = config.RANK.get()
         self._entries: collections.deque[Entry] = collections.deque(maxlen=max(capacity, 1))
         self._dump_lock = threading.Lock()
 
@@ -80,7 +80,7 @@ class FlightRecorder:
         """Write what this process remembers, replacing its earlier dump, and return the file; an
         automatic dump (not `asked` for) is written only where a directory for dumps is set. Never
         raises: it runs on the paths that report failures, which must go on whatever the disk does."""
-        given = os.environ.get(DIR_ENV) or os.environ.get("SHOAL_TRACE")
+        given = config.SHOAL_FLIGHT_DIR.get() or config.SHOAL_TRACE.get()
         if not self.capacity or not (given or asked):
             return None
         rank = self.rank if self.rank is not None else "unknown"
@@ -102,14 +102,7 @@ class FlightRecorder:
         return path
 
 
-def _capacity() -> int:
-    text = os.environ.get(CAPACITY_ENV) or "2000"
-    if not text.isdigit():
-        raise ValueError(f"{CAPACITY_ENV}={text!r}: expected how many operations to keep (0: none)")
-    return int(text)
-
-
-recorder = FlightRecorder(_capacity())
+recorder = FlightRecorder(config.SHOAL_FLIGHT_RECORDER.get())
 
 
 def dump_on_sigusr1() -> None:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shoal import config
 from shoal.observe import events
 
 
@@ -30,7 +31,7 @@ class Metrics:
     def __init__(self, path: str | os.PathLike, rank: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
+        self.rank = rank if rank is not None else config.RANK.get() or 0
         self.steps = 0
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()

@@ -7,7 +7,6 @@ says so in SHOAL_TTY, so a worker started by it in a terminal still draws a bar.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -15,13 +14,13 @@ from typing import TextIO, TypeVar
 
 from tqdm import tqdm
 
+from shoal import config
+
 T = TypeVar("T")
-TTY_ENV = "SHOAL_TTY"
-EVERY_ENV = "SHOAL_PROGRESS_EVERY_S"
 
 
 def to_terminal(file: TextIO) -> bool:
-    return file.isatty() or os.environ.get(TTY_ENV) == "1"
+    return file.isatty() or config.SHOAL_TTY.get()
 
 
 def progress(items: Iterable[T], desc: str, *, enabled: bool = True, file: TextIO | None = None,
@@ -34,7 +33,7 @@ def progress(items: Iterable[T], desc: str, *, enabled: bool = True, file: TextI
     elif to_terminal(file):
         yield from tqdm(items, desc=desc, leave=False, file=file, mininterval=0.5)
     else:
-        every = every_s if every_s is not None else float(os.environ.get(EVERY_ENV, "10"))
+        every = every_s if every_s is not None else config.SHOAL_PROGRESS_EVERY_S.get()
         yield from _lines(items, desc, file, every)
 
 

@@ -18,9 +18,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any, TextIO
 
+from shoal import config
 from shoal.observe import events, flight
 
-ENV = "SHOAL_TRACE"
 CLOCK_OFFSET = "shoal_clock_offset"  # metadata event: microseconds to add to align with rank 0
 RANK = "shoal_rank"  # metadata event: which rank wrote the file
 WRITE_EVERY_S = 0.5
@@ -160,8 +160,8 @@ def start(directory: str | os.PathLike, rank: int | None = None) -> Timeline:
     global _timeline
     if _timeline is not None:
         return _timeline
-    if rank is None and os.environ.get("RANK", "").isdigit():
-        rank = int(os.environ["RANK"])
+    if rank is None:
+        rank = config.RANK.get()
     _timeline = Timeline(Path(directory), rank)
     events.attach(_timeline)
     atexit.register(stop)
@@ -187,6 +187,7 @@ def stop() -> None:
 def start_from_environment() -> None:
     """Trace if SHOAL_TRACE names a directory; the flight record then goes there on SIGUSR1 too (the
     launcher asks for it before it stops workers)."""
-    if os.environ.get(ENV):
-        start(os.environ[ENV])
+    directory = config.SHOAL_TRACE.get()
+    if directory is not None:
+        start(directory)
         flight.dump_on_sigusr1()

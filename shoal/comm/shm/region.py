@@ -15,13 +15,15 @@ import os
 import secrets
 import threading
 
+from shoal import config
+
 TOKEN = slice(0, 16)  # the region's random identity; what follows is the user's
 HEADER_BYTES = 64  # the token, padded to a cache line
 
 
 def available() -> bool:
     """Whether regions can be shared here: the platform has memfd and /proc (Linux) and SHOAL_SHM is not "0"."""
-    return os.environ.get("SHOAL_SHM", "1") != "0" and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+    return config.SHOAL_SHM.get() and hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
 class Region:

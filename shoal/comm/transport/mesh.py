@@ -5,7 +5,6 @@ the bookkeeping of peers that crash or leave."""
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import struct
 import threading
@@ -13,6 +12,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from shoal import config
 from shoal.backoff import attempts
 from shoal.comm.transport import auth
 from shoal.comm.transport.frame_header import ACK_NOW, FrameHeader, Kind
@@ -49,8 +49,8 @@ class Transport:
                  heartbeat_timeout: timedelta | None = None) -> None:
         self.rank, self.world_size = rank, world_size
         self._stall_timeout = stall_timeout
-        self._heal_timeout = _seconds(heal_timeout, "SHOAL_HEAL_TIMEOUT", 10.0)
-        self._heartbeat_timeout = _seconds(heartbeat_timeout, "SHOAL_HEARTBEAT_TIMEOUT", 5.0)
+        self._heal_timeout = _seconds(heal_timeout, config.SHOAL_HEAL_TIMEOUT)
+        self._heartbeat_timeout = _seconds(heartbeat_timeout, config.SHOAL_HEARTBEAT_TIMEOUT)
         self._secret, self._session = secret, session
         self._lock = threading.Lock()
         self._links: dict[int, PeerLink] = {}
@@ -359,14 +359,5 @@ def _configure(sock: socket.socket, stall_timeout: timedelta) -> None:
         sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
 
 
-def _seconds(given: timedelta | None, variable: str, default: float) -> float:
-    if given is not None:
-        return given.total_seconds()
-    text = os.environ.get(variable)
-    try:
-        seconds = float(text) if text else default
-    except ValueError:
-        raise ValueError(f"{variable}={text!r} is not a number of seconds") from None
-    if seconds <= 0:
-        raise ValueError(f"{variable} must be positive, got {text}")
-    return seconds
+def _seconds(given: timedelta | None, variable: config.Variable[float]) -> float:
+    return given.total_seconds() if given is not None else variable.get()
