@@ -80,14 +80,13 @@ def test_the_others_agree_on_a_generation_without_the_lost_worker_and_go_on(vict
 
 
 class _Judging:
-    """Stands for a generation's group whose transport has found the given ranks lost."""
+    """Stands for a generation's group that has found the given ranks lost."""
 
     def __init__(self, lost: set[int]) -> None:
-        self.transport = self
-        self._lost = lost
+        self._lost = frozenset(lost)
 
-    def failure(self, rank: int) -> PeerFailure | None:
-        return PeerFailure(rank, "judged lost") if rank in self._lost else None
+    def failed_ranks(self) -> frozenset[int]:
+        return self._lost
 
     def shutdown(self) -> None:
         pass
@@ -147,3 +146,27 @@ def test_a_joiner_that_gives_up_waiting_withdraws_and_is_not_admitted(monkeypatc
         impatient.join()
     assert member.joiners_waiting(first)  # its slot stays taken, so the members still look at it
     assert member.next(first, _Judging(set())) == Generation(1, ("worker0",), joined=1)
+
+
+def _lose_the_last_rank(rank: int, world: int) -> frozenset[int]:
+    """The last rank exits once every rank has met; the others wait until their group finds it lost."""
+    import shoal.distributed as dist
+
+    group = dist.default_group()
+    dist.barrier()
+    if rank == world - 1:
+        os._exit(0)
+    deadline = time.monotonic() + 30
+    while not group.failed_ranks() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the loss is noticed by the transport's reader thread; poll its verdict briefly
+    return group.failed_ranks()
+
+
+def test_a_shoal_group_names_the_ranks_it_has_lost() -> None:
+    found = run_ranks(_lose_the_last_rank, 3, expect={2: "dies"})
+    assert found == {0: frozenset({2}), 1: frozenset({2})}
+
+
+def test_a_membership_refuses_an_unknown_backend() -> None:
+    with pytest.raises(ValueError, match=r"unknown backend 'mpi'; choose one of \['gloo', 'nccl', 'shoal'\]"):
+        Membership(Store(tdist.HashStore()), "worker0", host="127.0.0.1", timeout=timedelta(seconds=1), backend="mpi")

@@ -6,7 +6,6 @@ Ranks in `src`/`dst` arguments are global ranks, even with a subgroup, as in tor
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -15,20 +14,11 @@ import torch
 from shoal import config
 from shoal.comm import clock, objects, rendezvous
 from shoal.comm.algorithms.reduce_op import ReduceOp
-from shoal.comm.backends.c10d import C10dProcessGroup
 from shoal.comm.backends.group import DEFAULT_TIMEOUT, ProcessGroup
-from shoal.comm.backends.native import ShoalProcessGroup
+from shoal.comm.backends.registry import check_backend, world_group
 from shoal.comm.backends.work import Work
-from shoal.comm.store import Store
 from shoal.observe import events, flight, timeline
 from shoal.observe.flight import recorder
-
-# How each backend builds its world group from a joined store: (store, rank, world_size, timeout, host).
-BACKENDS: dict[str, Callable[[Store, int, int, timedelta, str], ProcessGroup]] = {
-    "shoal": ShoalProcessGroup.create,
-    "gloo": lambda store, rank, size, timeout, host: C10dProcessGroup.create("gloo", store, rank, size, timeout),
-    "nccl": lambda store, rank, size, timeout, host: C10dProcessGroup.create("nccl", store, rank, size, timeout),
-}
 
 _world: ProcessGroup | None = None
 _subgroups: list[ProcessGroup] = []
@@ -49,13 +39,12 @@ def init_process_group(backend: str = "shoal", init_method: str = "env://", rank
     global _world
     if _world is not None:
         raise RuntimeError("the default process group is already initialized; call destroy_process_group() first")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
+    check_backend(backend)
     timeout = _timeout_from_env(timeout)
     timeline.start_from_environment()
     endpoint = rendezvous.resolve(init_method, rank, world_size)
     store = rendezvous.join(endpoint, timeout)
-    _world = BACKENDS[backend](store, endpoint.rank, endpoint.world_size, timeout, endpoint.host)
+    _world = world_group(backend, store, endpoint.rank, endpoint.world_size, timeout, endpoint.host)
     _world.store = store
     _observe(_world)
 

@@ -9,7 +9,7 @@ Its flags and configuration are launch_config.py's; a worker process and its ran
 The launcher of node 0 serves the job's rendezvous store, so the store outlives any worker; it tells
 the workers so with TORCHELASTIC_USE_AGENT_STORE=True, as torchrun does (torch.distributed's own
 env:// rendezvous then joins it too). With `--nnodes MIN:MAX`, the first launcher on the endpoint's
-machine serves it, and the nodes agree on their ranks in it (nodes.py).
+machine serves it, and the nodes agree on their ranks in it (node_slots.py).
 
 When a worker fails, the others are stopped and the failure is reported (rank, exit code, the tail
 of its output); with `--max-restarts K` all workers are restarted instead, up to K times, each
@@ -37,7 +37,7 @@ from shoal.config import SHOAL_SECRET
 from shoal.elastic.flight_records import collect_flight_records
 from shoal.elastic.identity import member_id
 from shoal.elastic.launch_config import LaunchConfig, parse_args
-from shoal.elastic.nodes import Nodes, Placement
+from shoal.elastic.node_slots import NodePlace, NodeSlots
 from shoal.elastic.worker import Worker
 from shoal.ports import free_port
 
@@ -100,17 +100,17 @@ class Launcher:
         cfg = self.config
         port = cfg.master_port if cfg.master_port is not None else free_port(cfg.master_addr)
         store, serving = self._open_store(port)  # held for the attempt: dropped (and so closed) when it ends
-        nodes, placement = None, Placement(cfg.node_rank, cfg.nnodes * cfg.nproc_per_node, late=False)
+        nodes, place = None, NodePlace(cfg.node_rank, cfg.nnodes * cfg.nproc_per_node, late=False)
         if cfg.max_nodes > 1:
-            nodes = Nodes(store.scoped(f"shoal-run/{cfg.run_id}/nodes/"), member_id(),
+            nodes = NodeSlots(store.scoped(f"shoal-run/{cfg.run_id}/nodes/"), member_id(),
                           nproc_per_node=cfg.nproc_per_node, min_nodes=cfg.nnodes, max_nodes=cfg.max_nodes,
                           stopping=self._stopping)
-            placement = nodes.place(cfg.node_rank if cfg.fixed_nodes else None, join_timeout=cfg.join_timeout,
+            place = nodes.place(cfg.node_rank if cfg.fixed_nodes else None, join_timeout=cfg.join_timeout,
                                     last_call=cfg.last_call, take_late=cfg.live)
             nodes.keep_alive(self._connect(port).scoped(f"shoal-run/{cfg.run_id}/nodes/"),
                              watch=serving)
         base = dict(os.environ, MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port),
-                    WORLD_SIZE=str(placement.world_size), LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
+                    WORLD_SIZE=str(place.world_size), LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
                     SHOAL_RESTART_COUNT=str(attempt), TORCHELASTIC_USE_AGENT_STORE="True",
                     TORCHELASTIC_RUN_ID=cfg.run_id, SHOAL_LIVE="1" if cfg.live else "0")
         if self.secret:
@@ -119,13 +119,13 @@ class Launcher:
             base["SHOAL_TTY"] = "1"  # its output reaches a terminal through us: progress may redraw itself
         if cfg.trace is not None:
             base["SHOAL_TRACE"] = str(cfg.trace.resolve())
-        if placement.late:
+        if place.late:
             base["SHOAL_JOINING"] = "1"  # its workers join the running job (shoal.elastic.live)
         if not cfg.fixed_nodes:
             base["SHOAL_MIN_WORKERS"] = str(cfg.nnodes * cfg.nproc_per_node)  # below MIN nodes, live training waits
         self._workers = []
         for local in range(cfg.nproc_per_node):
-            rank = placement.node_rank * cfg.nproc_per_node + local
+            rank = place.node_rank * cfg.nproc_per_node + local
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(local))
             self._workers.append(Worker(rank, env, cfg.command, self._changed))
         try:

@@ -148,9 +148,8 @@ class LiveTraining:
         return f"{self.generation.number}/{self.steps}"
 
     def _decide(self, reduced: bool) -> str:
-        return self._decisions.decide(self._step_key(), self.generation.size, reduced=reduced, member_lost=lambda: any(
-            self.group.transport.failure(r) is not None for r in range(self.generation.size)),
-            joiners_waiting=self._joiners_waiting)
+        return self._decisions.decide(self._step_key(), self.generation.size, reduced=reduced, member_lost=lambda: bool(
+            self.group.failed_ranks()), joiners_waiting=self._joiners_waiting)
 
     def _joiners_waiting(self) -> bool:
         now = time.monotonic()

@@ -2,10 +2,11 @@
 launcher serves it).
 
 A generation is a number and its members' ids in rank order. Process groups are built per generation
-(`Membership.group`), so a failure ends a generation, not the job. When members are lost, or workers
-ask to join, the members agree on the next generation: each registers under it and waits until every
-member of the current one has either registered or is known lost to its transport (crashed, left, or
-silent past the heartbeat timeout); then it proposes those registered, followed by the joiners waiting.
+(`Membership.group`), so a failure ends a generation, not the job: DDP adopts each generation's group.
+When members are lost, or workers ask to join, the members agree on the next generation: each registers
+under it and waits until every member of the current one has either registered or is known lost to the
+current group (`ProcessGroup.failed_ranks`: crashed, left, or silent past the heartbeat timeout); then it
+proposes those registered, followed by the joiners waiting.
 The first proposal stored wins (compare-and-set), so no two members ever see different members for one
 generation, whatever the partition, and a member left out learns so (EvictedError).
 
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from shoal.backoff import attempts
-from shoal.comm.backends.native import ShoalProcessGroup
+from shoal.comm.backends.group import ProcessGroup
+from shoal.comm.backends.registry import check_backend, world_group
 from shoal.comm.store import Store
 
 _JOIN_WAIT = timedelta(minutes=10)  # how long a joiner waits to be admitted: between steps may be long (evaluation)
@@ -56,13 +58,16 @@ class Generation:
 
 
 class Membership:
-    """One worker's part in the job's generations: it is `me` (an id unique in the job) in all of them."""
+    """One worker's part in the job's generations: it is `me` (an id unique in the job) in all of them.
+    Each generation's group is of `backend`; "shoal" finds lost members itself, where torch's engines
+    (which find none: see `ProcessGroup.failed_ranks`) hold up the next generation until the timeout."""
 
-    def __init__(self, store: Store, me: str, *, host: str, timeout: timedelta) -> None:
+    def __init__(self, store: Store, me: str, *, host: str, timeout: timedelta, backend: str = "shoal") -> None:
         self._store = store
         self.me = me
         self._host = host  # the store's host: the interface that reaches it is the one peers can reach
         self._timeout = timeout
+        self.backend = check_backend(backend)
 
     def first(self, rank: int, world_size: int) -> Generation | None:
         """Generation 0: the workers the launcher started, in the order of their launch ranks; None if
@@ -99,22 +104,22 @@ class Membership:
         """The job is over: workers still waiting to join learn so (JobFinished)."""
         self._store.set("finished", 1)
 
-    def group(self, generation: Generation) -> ShoalProcessGroup:
-        """The world group of `generation`, over a mesh of its own."""
-        return ShoalProcessGroup.create(self._store.scoped(f"{generation.number}/group/"), generation.rank(self.me),
-                                        generation.size, self._timeout, self._host)
+    def group(self, generation: Generation) -> ProcessGroup:
+        """The world group of `generation`, connected anew (its store keys are the generation's own)."""
+        return world_group(self.backend, self._store.scoped(f"{generation.number}/group/"), generation.rank(self.me),
+                           generation.size, self._timeout, self._host)
 
-    def next(self, current: Generation, group: ShoalProcessGroup) -> Generation:
+    def next(self, current: Generation, group: ProcessGroup) -> Generation:
         """The generation after `current`, agreed with the other members still alive. `group` is
-        `current`'s: its transport tells which members are lost; it is shut down once they agree. Joiners
-        waiting come after the members, so rank 0 is a member of `current`."""
+        `current`'s: it tells which members are lost; it is shut down once they agree. Joiners waiting
+        come after the members, so rank 0 is a member of `current`."""
         number = current.number + 1
         self._store.set(f"{number}/alive/{self.me}", 1)
         deadline = time.monotonic() + self._timeout.total_seconds()
         for _ in attempts(deadline, first=0.005, limit=0.1, factor=1.5):
             registered = [m for m in current.members if self._store.has(f"{number}/alive/{m}")]
-            undecided = [m for m in current.members
-                         if m not in registered and group.transport.failure(current.rank(m)) is None]
+            lost = group.failed_ranks()
+            undecided = [m for m in current.members if m not in registered and current.rank(m) not in lost]
             if not undecided:
                 break
         else:

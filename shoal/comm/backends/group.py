@@ -35,6 +35,12 @@ class ProcessGroup(abc.ABC):
         """Where the group's own bookkeeping tensors (flags, lengths) live: NCCL moves GPU tensors only."""
         return torch.device("cpu")
 
+    def failed_ranks(self) -> frozenset[int]:
+        """Ranks of this group (ours, not global) known to be lost: their process is gone, or their
+        connection could not be healed, or they fell silent past the heartbeat timeout. A backend that
+        cannot tell (torch's engines report a failure only as an operation's error) finds none."""
+        return frozenset()
+
     def group_rank(self, global_rank: int, role: str) -> int:
         """Translate a global rank (as torch.distributed's src/dst arguments are) into ours."""
         if global_rank not in self.ranks:

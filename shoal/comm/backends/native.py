@@ -129,6 +129,9 @@ class ShoalProcessGroup(ProcessGroup):
         group_ids = itertools.count(1)
         return cls(transport, range(world_size), 0, timeout, lambda: next(group_ids), owns_transport=True)
 
+    def failed_ranks(self) -> frozenset[int]:
+        return frozenset(r for r, member in enumerate(self.ranks) if self.transport.failure(member) is not None)
+
     def scratch(self, nbytes: int) -> torch.Tensor:
         """Reusable staging memory; ops run one at a time, so one buffer serves them all."""
         self._scratch = _at_least(self._scratch, nbytes)

@@ -1,4 +1,5 @@
-"""Which nodes a job runs on: the launchers' own rendezvous in the job's store.
+"""Which nodes a job runs on: the launchers' node slots in the job's store (not the workers' membership,
+which is membership.py's).
 
 With a fixed node count (`--nnodes N`), node R is the launcher started with `--node-rank R`. With
 `--nnodes MIN:MAX`, each launcher takes the next node slot in the store as it arrives; once MIN have,
@@ -30,7 +31,7 @@ _POLL_S = 0.2
 
 
 @dataclass(frozen=True)
-class Placement:
+class NodePlace:
     """Where this node's workers stand in the job."""
 
     node_rank: int
@@ -40,7 +41,7 @@ class Placement:
     """The job formed without this node: its workers join it (`--live`)."""
 
 
-class Nodes:
+class NodeSlots:
     """This launcher's part in the job's node membership: `me` is an id unique in the job. A slot is
     held by one launcher at a time; what a launcher reports (beats, its end) is kept under its id."""
 
@@ -56,19 +57,19 @@ class Nodes:
         self._ended, self._watched = threading.Event(), threading.Event()
 
     def place(self, node_rank: int | None, *, join_timeout: timedelta, last_call: timedelta,
-              take_late: bool) -> Placement:
+              take_late: bool) -> NodePlace:
         """Register this node and learn its place: under `node_rank` (fixed node count), or in the
         next slot (MIN:MAX). A late node waits for room among the running nodes if `take_late`, and
         raises RuntimeError otherwise. Waits for MIN nodes up to `join_timeout` (TimeoutError). A node
         that gives up withdraws, so the job never forms with it."""
         if node_rank is not None:
             self._hold(node_rank)
-            return Placement(node_rank, self._min * self._nproc, late=False)
+            return NodePlace(node_rank, self._min * self._nproc, late=False)
         self.slot = next(k for k in itertools.count() if self._store.compare_set(f"slot/{k}", self.me) == self.me)
         try:
             self._formed_slots = self._formed(join_timeout, last_call)
             if self.slot in self._formed_slots:
-                return Placement(self._formed_slots.index(self.slot), len(self._formed_slots) * self._nproc, late=False)
+                return NodePlace(self._formed_slots.index(self.slot), len(self._formed_slots) * self._nproc, late=False)
             if not take_late:
                 raise RuntimeError(f"the job formed with {len(self._formed_slots)} nodes before this one arrived, "
                                    f"and without --live it cannot take new nodes: start every node within the last "
@@ -78,7 +79,7 @@ class Nodes:
             self._store.set(f"{self.me}/withdrawn", 1)
             raise
         # Its slot is past every slot taken when the job formed, so its workers' launch ranks are unused.
-        return Placement(self.slot, (self.slot + 1) * self._nproc, late=True)
+        return NodePlace(self.slot, (self.slot + 1) * self._nproc, late=True)
 
     def _hold(self, node_rank: int) -> None:
         """Take `node_rank`'s slot, from a launcher that held it before only if that one is gone."""
