@@ -1,8 +1,6 @@
-"""shoal: distributed training for PyTorch, with its own communication library."""
+"""shoal: distributed training for PyTorch, with its own communication library. Importing it starts
+nothing and installs nothing: a job begins with `init_process_group`, `init_rpc` or `shoal run`."""
 
-# Distributed autograd is part of RPC as a whole: importing it installs the hook through which RPC
-# records into its contexts, on every worker, whether or not the worker's own code imports it.
-import shoal.autograd  # noqa: F401
 from shoal.errors import CollectiveMismatchError, GroupBrokenError, PeerFailure
 from shoal.parallel import DistributedDataParallel
 

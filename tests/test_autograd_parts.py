@@ -13,8 +13,8 @@ import torch
 
 from shoal.autograd import engine
 from shoal.autograd.engine import _leaves_reached
-from shoal.autograd.registry import ContextRegistry, originator
 from shoal.rpc import current
+from shoal.rpc.autograd_contexts import ContextRegistry, originator
 from shoal.rpc.headers import AutogradTag
 
 

@@ -14,9 +14,9 @@ import torch
 
 from shoal import autograd as dist_autograd
 from shoal import rpc
-from shoal.autograd.registry import contexts
 from shoal.errors import PeerFailure
 from shoal.ports import free_port
+from shoal.rpc.autograd_contexts import contexts
 from tests.ranks import run_ranks
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}

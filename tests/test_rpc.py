@@ -22,7 +22,7 @@ import shoal.distributed as dist
 from shoal import rpc
 from shoal.comm.shm import lanes
 from shoal.comm.transport import auth
-from shoal.rpc import riders
+from shoal.rpc.agent import riders
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import runs_on_reader
 from tests.ranks import run_ranks
@@ -77,7 +77,7 @@ def live_counters() -> int:
 
 
 def owned_objects() -> int:
-    return len(current_agent().rrefs)
+    return len(current_agent().rref_context.table)
 
 
 def bump(rref: rpc.RRef, amount: int) -> int:
@@ -254,7 +254,7 @@ def _both_message_paths(rank: int, world: int, port: int) -> dict:
     _init(rank, world, port)
     out = {}
     if rank == 0:
-        from shoal.rpc.wire import INLINE_BYTES
+        from shoal.rpc.agent import INLINE_BYTES
 
         small = [torch.tensor([7], dtype=torch.uint8), torch.randn(5, dtype=torch.complex128), torch.arange(3.0)]
         # Past the limit by one byte: every tensor of the message goes as a frame of its own.
@@ -324,8 +324,9 @@ def _notices_sent_soon(rank: int, world: int, port: int, ride: bool) -> list[str
     if rank == 0:
         agent = current_agent()
         alone = []
-        send_alone = agent._riders._send_alone
-        agent._riders._send_alone = lambda dst, riders: (alone.append(dst), send_alone(dst, riders))
+        waiting = agent._notices._riders
+        send_alone = waiting._send_alone
+        waiting._send_alone = lambda dst, riders: (alone.append(dst), send_alone(dst, riders))
         agent.notify_soon("w1", note_thread_on_reader, ("soon",))
         if ride:
             wait_until(lambda: rpc.rpc_sync("w1", noted_threads) != [], "the notice to ride on a call")

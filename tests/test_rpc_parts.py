@@ -18,13 +18,12 @@ import pytest
 import torch
 
 from shoal.rpc import Future
-from shoal.rpc.forks import Forks
+from shoal.rpc.agent import Riders, WorkerPool
+from shoal.rpc.agent.wire import _carried, _with_tensors
 from shoal.rpc.headers import AutogradTag, ForkChange, Mode, Request, Response
 from shoal.rpc.message import RemoteError, RemoteTraceback, decode, encode, function_ref, pack_error, unpack_error
-from shoal.rpc.pool import WorkerPool
-from shoal.rpc.riders import Riders
-from shoal.rpc.rref import OwnerTable, RRef
-from shoal.rpc.wire import _carried, _with_tensors
+from shoal.rpc.rref import make_rref, reference_of
+from shoal.rpc.rref_context import OwnerTable, Reference, RRefContext
 from tests.threads import linux_only, named, voluntary_switches
 
 # ---- the owner's table ------------------------------------------------------------------------
@@ -80,46 +79,46 @@ def test_an_owner_local_entry_joins_the_table_only_while_forked() -> None:
     assert len(table) == 0 and entry.value.wait(0) == "value"
 
 
-_NO_AGENT = types.SimpleNamespace(release=lambda owner, rref_id, fork_id: None)  # for RRefs made by hand
+# for RRefs made by hand: their releases go nowhere
+_NO_AGENT = types.SimpleNamespace(rref_context=types.SimpleNamespace(release=lambda reference: None))
 
 
-def _forks(rank: int, told: list) -> Forks:
+def _context(rank: int, told: list) -> RRefContext:
     ids = iter(range(100, 200))
-    return Forks(rank, OwnerTable(), lambda: (rank, next(ids)), lambda owner, change: told.append((owner, change)),
-                 lambda owner, rref_id, fork_id, entry: RRef._make(_NO_AGENT, owner, rref_id, fork_id, entry),
-                 f"w{rank}")
+    return RRefContext(rank, lambda: (rank, next(ids)), lambda owner, change: told.append((owner, change)),
+                       lambda reference, created: make_rref(_NO_AGENT, reference, created), f"w{rank}")
 
 
 def test_an_rref_sent_to_its_owner_makes_no_fork_and_one_sent_elsewhere_does() -> None:
     told: list = []
-    holder = _forks(1, told)  # worker 1 holds a reference to object (0, 5), owned by worker 0
-    rref = RRef._make(_NO_AGENT, 0, (0, 5), (1, 7), None)
+    holder = _context(1, told)  # worker 1 holds a reference to object (0, 5), owned by worker 0
+    rref = make_rref(_NO_AGENT, Reference(0, (0, 5), (1, 7)))
     home = holder.encode_for(0, rref)
     assert told == []  # going home: nothing to tell the owner first
     elsewhere = holder.encode_for(2, rref)
     assert [(owner, change.action, change.holder) for owner, change in told] == [(0, "add", 2)]
 
-    owner = _forks(0, [])
+    owner = _context(0, [])
     entry = owner.table.created_remotely((0, 5), (1, 7), holder=1)
     adopted = decode(home.body, [], owner.adopt)
-    assert adopted.is_owner() and adopted._entry is entry and entry.forks == {(1, 7): 1}  # no tombstone left
-    assert decode(elsewhere.body, [], _forks(2, []).adopt)._fork_id == told[0][1].fork_id
-    for forks in (holder, owner):
-        forks.stop(timeout=5)
+    assert adopted.is_owner() and reference_of(adopted).entry is entry and entry.forks == {(1, 7): 1}  # no tombstone
+    assert reference_of(decode(elsewhere.body, [], _context(2, []).adopt)).fork_id == told[0][1].fork_id
+    for context in (holder, owner):
+        context.stop(timeout=5)
 
 
 def test_an_rref_sent_home_before_its_creating_call_arrives_waits_for_that_call() -> None:
     told: list = []
-    holder = _forks(2, told)  # worker 2 got a fork of (0, 5) from its creator, worker 1
-    home = holder.encode_for(0, RRef._make(_NO_AGENT, 0, (0, 5), (1, 8), None))
-    owner = _forks(0, [])
+    holder = _context(2, told)  # worker 2 got a fork of (0, 5) from its creator, worker 1
+    home = holder.encode_for(0, make_rref(_NO_AGENT, Reference(0, (0, 5), (1, 8))))
+    owner = _context(0, [])
     adopted = decode(home.body, [], owner.adopt)  # the creator's remote() call is still on its way
-    assert not adopted._entry.value.done()
+    assert not reference_of(adopted).entry.value.done()
     entry = owner.table.created_remotely((0, 5), (1, 7), holder=1)
     entry.value.set_result("made")
-    assert adopted._entry is entry and adopted._entry.value.wait(0) == "made"
-    for forks in (holder, owner):
-        forks.stop(timeout=5)
+    assert reference_of(adopted).entry is entry and entry.value.wait(0) == "made"
+    for context in (holder, owner):
+        context.stop(timeout=5)
 
 
 # ---- futures ----------------------------------------------------------------------------------
@@ -422,7 +421,7 @@ def _rider(n: int) -> tuple:
 def _waiting(seconds: float) -> Iterator[None]:
     """Notices added meanwhile wait `seconds` for a message to ride on before going alone."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("shoal.rpc.riders.WAIT_S", seconds)
+        patch.setattr("shoal.rpc.agent.riders.WAIT_S", seconds)
         yield
 
 

@@ -12,16 +12,34 @@ with dist_autograd.context() as context_id:
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from types import TracebackType
 
 import torch
 
 from shoal.autograd import engine
-from shoal.autograd.registry import contexts
-from shoal.parallel.ddp import replicas_awaiting_reduction
+from shoal.parallel.ddp import DistributedDataParallel, register_forward_hook
+from shoal.rpc.autograd_contexts import contexts
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import runs_on_reader
+
+_forwarded = threading.local()  # .replicas: weak references to the DDP replicas forwarded in this thread's context
+
+
+def _note_forward(replica: DistributedDataParallel) -> None:
+    """A DDP forward inside a context: its gradients will be in the context, so the backward reduces them."""
+    if contexts.current_context() is None:
+        return
+    if not hasattr(_forwarded, "replicas"):
+        _forwarded.replicas = []
+    replicas = _forwarded.replicas
+    if not any(ref() is replica for ref in replicas):
+        replicas.append(weakref.ref(replica))
+
+
+register_forward_hook(_note_forward)
 
 
 class context:  # torch.distributed.autograd's name, used as `with dist_autograd.context()`
@@ -43,6 +61,7 @@ class context:  # torch.distributed.autograd's name, used as `with dist_autograd
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._serving.__exit__(exc_type, exc, tb)
+        _forwarded.replicas = []
         release(self._context.id)
 
 
@@ -64,9 +83,12 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     keep = retain_graph or context.has_sends()
     engine.backward(context, roots, keep, current_agent().default_timeout)
     # Replicas of DistributedDataParallel whose forward ran for this backward average their
-    # gradients here, in the context, as their hooks would in `.grad` after a local backward.
-    for replica in replicas_awaiting_reduction():
-        context.set_gradients(replica.reduce_gradients(context.gradients()))
+    # gradients here, in the context, as their hooks would in `.grad` after a local backward; every
+    # rank reduces them in the order its forwards ran, which the ranks share.
+    forwarded, _forwarded.replicas = getattr(_forwarded, "replicas", []), []
+    for replica in filter(None, (ref() for ref in forwarded)):
+        if replica.awaits_reduction():
+            context.set_gradients(replica.reduce_gradients(context.gradients()))
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -23,9 +23,9 @@ from fractions import Fraction
 
 import torch
 
-from shoal.autograd.context import Context
-from shoal.autograd.registry import contexts
 from shoal.errors import GroupBrokenError, PeerFailure
+from shoal.rpc.autograd_context import Context
+from shoal.rpc.autograd_contexts import contexts
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import runs_on_reader
 from shoal.rpc.message import PackedError, pack_error, unpack_error

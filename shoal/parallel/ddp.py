@@ -7,9 +7,6 @@ buckets, each bucket's all-reduce starting while backward is still computing the
 
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,8 +23,13 @@ from shoal.parallel.buckets import Bucket, assign_buckets
 from shoal.parallel.comm_hooks import GradBucket, Pending, allreduce_hook
 
 _FIRST_BUCKET_BYTES = 1 << 20
-_numbers = itertools.count()  # creation order, which every rank shares when it builds the same replicas
-_replicas: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+_forward_hooks: list[Callable[[DistributedDataParallel], None]] = []
+
+
+def register_forward_hook(hook: Callable[[DistributedDataParallel], None]) -> None:
+    """Call `hook(replica)` at every forward that prepares a synchronized backward, for a layer above whose
+    backward puts the gradients elsewhere than `.grad`: it must then call `replica.reduce_gradients`."""
+    _forward_hooks.append(hook)
 
 
 class DistributedDataParallel(nn.Module):
@@ -76,10 +78,7 @@ class DistributedDataParallel(nn.Module):
         self._inflight: list[Callable[[], list[torch.Tensor]] | None] = [None] * len(self.buckets)
         self.launched_in_backward = 0  # buckets whose reduction began before backward ended (last step)
         self._prepared = False  # forward has reset the buckets for the backward that follows it
-        self._forward_thread: int | None = None  # which thread ran the forward that prepared it
         self._backward_started: events.Started | None = None  # for the timeline: when the first gradient came
-        self._number = next(_numbers)
-        _replicas.add(self)
         for bucket in self.buckets:
             for i, param in enumerate(bucket.params):
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(bucket, i))
@@ -127,7 +126,8 @@ class DistributedDataParallel(nn.Module):
         self._step_syncs = self._require_sync
         if self._step_syncs and torch.is_grad_enabled():
             self._prepare_for_backward()
-            self._forward_thread = threading.get_ident()
+            for hook in _forward_hooks:
+                hook(self)
             # Only a step that will synchronize takes rank 0's buffers, so that evaluating on one rank
             # alone (no_grad) involves no collective.
             if self.broadcast_buffers and self.process_group.size > 1:
@@ -222,13 +222,12 @@ class DistributedDataParallel(nn.Module):
             param.grad.copy_(result)
 
     def awaits_reduction(self) -> bool:
-        """Whether the last forward, run on this thread, prepared a synchronized backward whose
-        gradients no backward has reduced yet, as happens when they go elsewhere than `.grad`
-        (distributed autograd)."""
-        return self._prepared and self._step_syncs and self._forward_thread == threading.get_ident()
+        """Whether the last forward prepared a synchronized backward whose gradients no backward has
+        reduced yet, as happens when they go elsewhere than `.grad` (see `reduce_gradients`)."""
+        return self._prepared and self._step_syncs
 
     def reduce_gradients(self, grads: dict[torch.Tensor, torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
-        """Average gradients held outside `.grad` (a distributed autograd context's) over the replicas,
+        """Average gradients held outside `.grad` (a backward that keeps them elsewhere) over the replicas,
         with the same buckets, order and communication hook as a backward; every rank must call it
         for the same forward. Returns {parameter: averaged gradient}, for every parameter with a
         gradient on some rank."""
@@ -275,13 +274,6 @@ class DistributedDataParallel(nn.Module):
         results = [wait() for wait in self._inflight if wait is not None]
         self._inflight = [None] * len(self.buckets)
         return results
-
-
-def replicas_awaiting_reduction() -> list[DistributedDataParallel]:
-    """Live replicas whose forward, on this thread, prepared a synchronized backward that no
-    backward reduced yet, in creation order: the order in which every rank must reduce them (see
-    reduce_gradients)."""
-    return sorted((r for r in list(_replicas) if r.awaits_reduction()), key=lambda r: r._number)
 
 
 def _grad_of(param: torch.Tensor) -> torch.Tensor | None:

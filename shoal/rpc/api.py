@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from shoal.observe import timeline
 from shoal.rpc import current
-from shoal.rpc.agent import RpcAgent, To
+from shoal.rpc.agent import RpcAgent
 from shoal.rpc.current import current_agent
 from shoal.rpc.future import Future
-from shoal.rpc.options import BackendType, RpcBackendOptions, Timeout, WorkerInfo
+from shoal.rpc.options import BackendType, RpcBackendOptions, Timeout, To, WorkerInfo
 from shoal.rpc.rref import RRef
 
 
@@ -30,7 +31,8 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int | None = N
     stands in for).
 
     Rank and world size default to the RANK and WORLD_SIZE variables, as for process groups; a
-    process group may use the same MASTER_ADDR:MASTER_PORT.
+    process group may use the same MASTER_ADDR:MASTER_PORT. Where SHOAL_TRACE names a directory (`shoal
+    run --trace DIR`), this process's timeline starts here.
     """
     running = current.current_or_none()
     if running is not None:
@@ -41,6 +43,7 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int | None = N
                          f"stands in for BackendType.TENSORPIPE)")
     options = rpc_backend_options or RpcBackendOptions()
     options.check()
+    timeline.start_from_environment()
     RpcAgent.start(name, None if rank == -1 else rank, world_size, options)
 
 

@@ -1,5 +1,5 @@
 """This process's RPC agent, in a module of its own so that RRefs, proxies and the user-facing
-functions can find it without importing the agent's module (and it theirs)."""
+functions can find it without importing the agent's package (and it theirs)."""
 
 from __future__ import annotations
 

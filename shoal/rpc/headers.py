@@ -10,7 +10,7 @@ from enum import Enum
 FunctionRef = tuple[str, str]  # (module, qualified name)
 RRefId = tuple[int, int]  # (rank that created it, number)
 ForkId = tuple[int, int]
-# A notice riding in a request's header (riders.py): its function, whether the receiver runs it on
+# A notice riding in a request's header (agent/riders.py): its function, whether the receiver runs it on
 # the reader thread, and its arguments, plain data pickled with the header.
 Rider = tuple[FunctionRef, bool, tuple]
 

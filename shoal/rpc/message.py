@@ -1,9 +1,10 @@
 """What an RPC message is on the wire, and how functions and errors travel.
 
 A message is a pickled body plus the tensors taken out of it, which the body refers to by index;
-how they travel is the wire's business (`wire.py`). RRefs in a message are replaced by tokens the
-agent hands out (the fork protocol, see `rref.py`). Unpickling runs arbitrary code, which is safe
-here only because every connection proved knowledge of the job secret before a byte of it was read.
+how they travel is the wire's business (`agent/wire.py`). RRefs in a message are replaced by tokens
+the RRef context hands out (the fork protocol, see `rref_context.py`). Unpickling runs arbitrary
+code, which is safe here only because every connection proved knowledge of the job secret before a
+byte of it was read.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Who a worker is (`WorkerInfo`) and how the RPC agent is set up (`RpcBackendOptions`)."""
+"""Who a worker is (`WorkerInfo`, and `To`, how a call names one) and how the RPC agent is set up
+(`RpcBackendOptions`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ class WorkerInfo:
 
     name: str
     id: int
+
+
+To = str | int | WorkerInfo
+"""How a call names its worker: by name, by rank, or by WorkerInfo."""
 
 
 @dataclass(kw_only=True)

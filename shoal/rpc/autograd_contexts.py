@@ -1,5 +1,7 @@
-"""The distributed autograd contexts on this worker, and the hook through which RPC records into
-them: which context the calling thread is in, and what each message in a context sent or received."""
+"""The distributed autograd contexts on this worker, which RPC records into as its messages come and go
+(as torch keeps its autograd context container in its RPC layer): which context the calling thread is
+in, and what each message in a context sent or received. `shoal.autograd` runs the distributed backward
+over these records; the agent tells them when it starts and stops and when a worker dies."""
 
 from __future__ import annotations
 
@@ -7,14 +9,14 @@ import collections
 import itertools
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
-from shoal.autograd.context import Context
-from shoal.rpc import autograd_hook
+from shoal.rpc.agent.pool import WorkerPool
+from shoal.rpc.autograd_context import Context
 from shoal.rpc.headers import AutogradTag
-from shoal.rpc.pool import WorkerPool
+from shoal.rpc.message import Encoded
 
 _ORIGIN_SHIFT = 48  # a context id is (originating rank << 48) | a number: unique across the job
 
@@ -33,7 +35,9 @@ def _passes_thread() -> WorkerPool:
     return WorkerPool(1, "shoal-autograd-passes")
 
 
-class ContextRegistry(autograd_hook.AutogradHook):
+class ContextRegistry:
+    """Every distributed autograd context this worker takes part in, by id."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._contexts: dict[int, Context] = {}
@@ -54,6 +58,7 @@ class ContextRegistry(autograd_hook.AutogradHook):
         self._failure_listeners.append(listener)
 
     def started(self, rank: int) -> None:
+        """An RPC agent started as `rank`: contexts of an earlier one are gone."""
         with self._lock:
             self._rank = rank
             self._contexts.clear()
@@ -64,6 +69,8 @@ class ContextRegistry(autograd_hook.AutogradHook):
             self.passes = _passes_thread()
 
     def stopped(self, deadline: float | None) -> None:
+        """The RPC agent is shutting down: end the passes thread, waiting for a pass in progress until the
+        monotonic `deadline` (not at all without one)."""
         self.passes.shutdown()
         if deadline is not None:
             self.passes.join(deadline)
@@ -113,10 +120,12 @@ class ContextRegistry(autograd_hook.AutogradHook):
     # ---- the calling thread's context --------------------------------------------------------
 
     def current_context(self) -> int | None:
+        """The id of the context the calling thread is in, if any."""
         return getattr(self._thread, "context_id", None)
 
     @contextmanager
     def serving(self, context_id: int | None) -> Iterator[None]:
+        """Run a served call (or its nested calls) in the caller's context."""
         outer = self.current_context()
         self._thread.context_id = context_id
         try:
@@ -127,6 +136,8 @@ class ContextRegistry(autograd_hook.AutogradHook):
     # ---- what RPC tells us -------------------------------------------------------------------
 
     def record_send(self, context_id: int, dst: int, tensors: dict[int, torch.Tensor]) -> AutogradTag:
+        """Tensors (by their index in a message) leave for `dst`; returns the tag the message carries,
+        which says where their gradients are to go."""
         context = self._get_or_create(context_id)
         made_here, forwarded = {}, []
         for index, tensor in tensors.items():
@@ -140,6 +151,7 @@ class ContextRegistry(autograd_hook.AutogradHook):
         return AutogradTag(context_id, send_id, tuple(forwarded))
 
     def record_recv(self, src: int, tag: AutogradTag, tensors: dict[int, torch.Tensor]) -> None:
+        """Tensors (by their index in the message) arrived from `src` in a message tagged `tag`."""
         forwarded = {index: (rank, send_id, at) for index, rank, send_id, at in tag.forwarded}
         origins = {index: forwarded.get(index, (src, tag.send_id, index)) for index in tensors}
         self._get_or_create(tag.context_id).add_recv(src, tensors, origins)
@@ -158,4 +170,29 @@ class ContextRegistry(autograd_hook.AutogradHook):
 
 
 contexts = ContextRegistry()
-autograd_hook.install(contexts)
+
+
+# ---- what the agent calls with each message ----------------------------------------------------------
+
+def current_context() -> int | None:
+    """The id of the distributed autograd context the calling thread is in, if any."""
+    return contexts.current_context()
+
+
+def outgoing_tag(dst: int, payload: Encoded | None, context_id: int | None) -> AutogradTag | None:
+    """The tag a message in `context_id` carries. Every such message is recorded, with or without
+    tensors that require grad: its receiver joins the context (it runs the call in it, and may
+    record sends of its own), and so must be told when the context ends."""
+    if context_id is None:
+        return None
+    return contexts.record_send(context_id, dst, payload.grad_tensors if payload is not None else {})
+
+
+def record_arrival(src: int, tag: AutogradTag | None, grad_tensors: dict[int, torch.Tensor]) -> None:
+    if tag is not None:
+        contexts.record_recv(src, tag, grad_tensors)
+
+
+def serving(tag: AutogradTag | None) -> AbstractContextManager[None]:
+    """Run a served call in the context its message came from."""
+    return contexts.serving(tag.context_id) if tag is not None else nullcontext()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.rpc.deadlines import Deadlines
+from shoal.rpc.agent.deadlines import Deadlines
 from shoal.rpc.future import Future
 
 
