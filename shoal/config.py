@@ -41,11 +41,22 @@ class Variable(Generic[T]):
         return bool(os.environ.get(self.name))
 
 
-def _positive_seconds(text: str) -> float:
+def _float_seconds(text: str) -> float:
     try:
-        seconds = float(text)
+        return float(text)
     except ValueError:
         raise ValueError("expected a number of seconds") from None
+
+
+def _seconds(text: str) -> float:
+    seconds = _float_seconds(text)
+    if seconds < 0:
+        raise ValueError("expected a number of seconds, 0 or more")
+    return seconds
+
+
+def _positive_seconds(text: str) -> float:
+    seconds = _float_seconds(text)
     if seconds <= 0:
         raise ValueError("expected a positive number of seconds")
     return seconds
@@ -84,7 +95,7 @@ SHOAL_FLIGHT_RECORDER = Variable[int](
 SHOAL_FLIGHT_DIR = Variable[str | None](
     "SHOAL_FLIGHT_DIR", None, str, "where flight records go (default: SHOAL_TRACE, else only when asked)")
 SHOAL_PROGRESS_EVERY_S = Variable[float](
-    "SHOAL_PROGRESS_EVERY_S", 10.0, _positive_seconds, "seconds between plain progress lines (not in a terminal)")
+    "SHOAL_PROGRESS_EVERY_S", 10.0, _seconds, "seconds between plain progress lines (not in a terminal; 0: every item)")
 SHOAL_TTY = Variable[bool](
     "SHOAL_TTY", False, _switch, "1: draw progress bars even where output is not a terminal")
 

@@ -23,6 +23,7 @@ from shoal.elastic.live import LiveTraining
 from shoal.ports import free_port
 from tests.ranks import run_ranks
 
+ROOT = Path(__file__).resolve().parents[1]
 SAMPLES, BATCH, SEED = 61, 2, 1
 # The kills here are seen when the kernel closes the sockets; a long heartbeat keeps a loaded machine's
 # pauses from looking like a loss, which would change the generations the tests expect.
@@ -177,10 +178,13 @@ def test_live_training_refuses_to_start_where_a_loss_would_stop_everyone(monkeyp
 
 
 def test_the_demo_with_live_recovery_keeps_going_after_a_kill_and_the_lost_worker_rejoins() -> None:
-    command = [sys.executable, "-m", "shoal.cli", "demo", "--live", "--workers", "3", "--epochs", "10",
-               "--min-workers", "3"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240,
-                            env=dict(os.environ, SHOAL_FAULT_KILL_AT="1:20", **QUIET))
+    """The demo's worker as `shoal demo --live --workers 3 --min-workers 3` launches it, rank 1 killed
+    after step 20 (tests/faults.py)."""
+    command = [sys.executable, "-m", "shoal.run", "--live", "--max-restarts", "3", "--nproc-per-node", "3",
+               "-m", "tests.scripts.demo_with_kill", "--kill-at", "1:20",
+               "--live", "--epochs", "10", "--min-workers", "3"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=dict(os.environ, **QUIET),
+                            cwd=ROOT)  # where -m finds tests.scripts
     assert result.returncode == 0, result.stderr
     assert "rank 1 was lost (signal 9); the others go on without it" in result.stderr
     assert "starting a new rank 1 to join them (restart 1 of 3)" in result.stderr
