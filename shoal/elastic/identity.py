@@ -1,4 +1,4 @@
-"""The id a process goes by in the job's store: a launcher among the nodes (nodes.py), a worker among
+"""The id a process goes by in the job's store: a launcher among the nodes (node_slots.py), a worker among
 a generation's members (membership.py)."""
 
 from __future__ import annotations
