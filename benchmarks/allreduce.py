@@ -17,10 +17,10 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
-from benchmarks import _ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
 from benchmarks._steps import interleaved
 from shoal.ports import free_port
+from tests.ranks import run_ranks
 
 SIZES = {"4KiB": 4 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
 
@@ -35,16 +35,16 @@ def _batch(op, nbytes: int) -> tuple[Callable[[], None], int]:
     return batch, count
 
 
-def _worker(rank: int, world_size: int, ports: tuple[int, int], sizes: list[str], repeats: int, results) -> None:
+def _worker(rank: int, world_size: int, port: int, gloo_port: int, sizes: list[str], repeats: int) -> list:
     import torch
     import torch.distributed as tdist
 
     import shoal.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("shoal", f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=world_size,
+    dist.init_process_group("shoal", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=120))
-    tdist.init_process_group("gloo", f"tcp://127.0.0.1:{ports[1]}", rank=rank, world_size=world_size,
+    tdist.init_process_group("gloo", f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world_size,
                              timeout=timedelta(seconds=120))
     rows = []
     for label in sizes:
@@ -60,14 +60,13 @@ def _worker(rank: int, world_size: int, ports: tuple[int, int], sizes: list[str]
             tdist.all_reduce(seconds, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
             times[name] = seconds.item()
         rows.append((label, nbytes, times))
-    if rank == 0:
-        results.put(rows)
     tdist.destroy_process_group()
     dist.destroy_process_group()
+    return rows  # the same on every rank: each time is the slowest rank's
 
 
 def run(world_size: int, sizes: list[str], repeats: int) -> list:
-    return _ranks.run(_worker, world_size, world_size, (free_port(), free_port()), sizes, repeats)
+    return run_ranks(_worker, world_size, free_port(), sizes, repeats, backend=None, timeout=None)[0]
 
 
 def table(world_size: int, rows: list) -> list[str]:

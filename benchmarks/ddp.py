@@ -23,10 +23,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
-from benchmarks import _ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
 from benchmarks._steps import interleaved, interleaved_times, training_step
 from shoal.ports import free_port
+from tests.ranks import run_ranks
 
 MODELS = ("mlp-10M", "digits-cnn")
 WRITE_EVERY = 10  # traced steps per write of the timeline
@@ -98,7 +98,8 @@ def _under_torch_profiler(step, steps: int, barrier) -> dict[str, float]:
     return {TORCH_UNTRACED: untraced, TORCH_PROFILED: profiled}
 
 
-def _worker(rank: int, ports: tuple[int, int, int], steps: int, tracing_steps: int, results) -> None:
+def _worker(rank: int, world_size: int, port: int, native_port: int, torch_port: int, steps: int,
+            tracing_steps: int) -> list[dict]:
     import tempfile
 
     import torch
@@ -113,11 +114,11 @@ def _worker(rank: int, ports: tuple[int, int, int], steps: int, tracing_steps: i
 
     torch.set_num_threads(1)
     timeout = timedelta(seconds=300)
-    dist.init_process_group("gloo", f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2, timeout=timeout)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout)
     gloo = dist.default_group()
     # torch DDP's own group: shoal's "gloo" leaves torch.distributed's default group to the script.
-    tdist.init_process_group("gloo", f"tcp://127.0.0.1:{ports[2]}", rank=rank, world_size=2, timeout=timeout)
-    native = ShoalProcessGroup.create(join(Endpoint("127.0.0.1", ports[1], rank, 2), timeout), rank, 2, timeout,
+    tdist.init_process_group("gloo", f"tcp://127.0.0.1:{torch_port}", rank=rank, world_size=2, timeout=timeout)
+    native = ShoalProcessGroup.create(join(Endpoint("127.0.0.1", native_port, rank, 2), timeout), rank, 2, timeout,
                                       "127.0.0.1")
     trace_dir = tempfile.TemporaryDirectory(prefix="shoal-bench-trace-")
     timeline = Timeline(Path(trace_dir.name), rank, write_every_s=None)
@@ -146,15 +147,14 @@ def _worker(rank: int, ports: tuple[int, int, int], steps: int, tracing_steps: i
         rows.append({"model": name, "params": params, **dict(zip(figures, seconds.tolist(), strict=True))})
     timeline.close()
     trace_dir.cleanup()
-    if rank == 0:
-        results.put(rows)
     native.shutdown()
     dist.destroy_process_group()
     tdist.destroy_process_group()
+    return rows  # the same on every rank: each figure is the slower rank's
 
 
 def run(steps: int, tracing_steps: int) -> list[dict]:
-    return _ranks.run(_worker, 2, (free_port(), free_port(), free_port()), steps, tracing_steps)
+    return run_ranks(_worker, 2, free_port(), free_port(), steps, tracing_steps, backend=None, timeout=None)[0]
 
 
 def _hidden(step: float, compute: float, comm: float) -> str:

@@ -43,9 +43,8 @@ import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
-from benchmarks import _ranks
-from shoal.ports import free_port
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `tests` importable
+from tests.ranks import run_ranks
 
 LIBRARIES = {"torch": "torch.distributed (TensorPipe)", "shoal": "shoal"}  # name: column heading
 WORKERS = ("trainer", "ps", "mlp")
@@ -262,7 +261,7 @@ def _drop_torchscript_notice() -> None:
     warnings.showwarning = showwarning
 
 
-def _worker(rank: int, library: str, port: int, steps: int, breakdown: bool, results) -> None:
+def _worker(rank: int, world_size: int, port: int, library: str, steps: int, breakdown: bool) -> dict | None:
     import torch
 
     torch.set_num_threads(1)
@@ -273,10 +272,9 @@ def _worker(rank: int, library: str, port: int, steps: int, breakdown: bool, res
     started = time.perf_counter()
     options = lib.rpc.TensorPipeRpcBackendOptions(num_worker_threads=NUM_WORKER_THREADS, rpc_timeout=RPC_TIMEOUT,
                                                   init_method=f"tcp://127.0.0.1:{port}")
-    lib.rpc.init_rpc(WORKERS[rank], rank=rank, world_size=len(WORKERS), rpc_backend_options=options)
+    lib.rpc.init_rpc(WORKERS[rank], rank=rank, world_size=world_size, rpc_backend_options=options)
     try:
-        if rank == 0:
-            results.put(_train(lib, steps, started, breakdown))
+        return _train(lib, steps, started, breakdown) if rank == 0 else None  # the trainer's result
     finally:
         lib.rpc.shutdown()
 
@@ -284,7 +282,7 @@ def _worker(rank: int, library: str, port: int, steps: int, breakdown: bool, res
 def run_side(library: str, steps: int, timeout: float, breakdown: bool = False) -> dict:
     """Run the program with one library's modules on len(WORKERS) fresh spawned processes; the
     trainer's result. Raises if a worker fails or the whole run takes longer than `timeout` seconds."""
-    return _ranks.run(_worker, len(WORKERS), library, free_port(), steps, breakdown, timeout=timeout)
+    return run_ranks(_worker, len(WORKERS), library, steps, breakdown, backend=None, timeout=timeout)[0]
 
 
 def _p90(times: list[float]) -> float:

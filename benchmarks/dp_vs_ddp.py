@@ -20,10 +20,10 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
-from benchmarks import _ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
 from benchmarks._steps import train_steps
 from shoal.ports import free_port
+from tests.ranks import run_ranks
 
 MODELS = {  # name: (global batch, what it stresses)
     "small-layers": (64, "48 Linear(32, 32) + ReLU: time goes to Python and per-operator overhead"),
@@ -65,7 +65,7 @@ def _in_process(name: str, config: str, steps: int) -> tuple[float, float]:
     return times.median, times.cpu / times.wall
 
 
-def _rank(rank: int, ports: tuple[int, int], name: str, steps: int, results) -> None:
+def _rank(rank: int, world_size: int, port: int, native_port: int, name: str, steps: int) -> dict:
     import torch
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -76,9 +76,9 @@ def _rank(rank: int, ports: tuple[int, int], name: str, steps: int, results) -> 
 
     torch.set_num_threads(1)  # one core per rank
     timeout = timedelta(seconds=300)
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2,
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                              timeout=timeout)
-    native = ShoalProcessGroup.create(join(Endpoint("127.0.0.1", ports[1], rank, 2), timeout), rank, 2, timeout,
+    native = ShoalProcessGroup.create(join(Endpoint("127.0.0.1", native_port, rank, 2), timeout), rank, 2, timeout,
                                       "127.0.0.1")
     batch = _batch(name, MODELS[name][0] // 2, 1 + rank)
     row = {}
@@ -90,10 +90,9 @@ def _rank(rank: int, ports: tuple[int, int], name: str, steps: int, results) -> 
         cpu_total = torch.tensor([times.cpu], dtype=torch.float64)
         tdist.all_reduce(cpu_total)
         row[config] = (maxima[0].item(), cpu_total.item() / maxima[1].item())
-    if rank == 0:
-        results.put(row)
     native.shutdown()
     tdist.destroy_process_group()
+    return row  # the same on every rank: the slower rank's times, and the cores both used
 
 
 def run(steps: int, rounds: int) -> dict[str, dict[str, tuple[float, float]]]:
@@ -106,8 +105,7 @@ def run(steps: int, rounds: int) -> dict[str, dict[str, tuple[float, float]]]:
         for name in MODELS:
             for config in IN_PROCESS:
                 samples[name].setdefault(config, []).append(_in_process(name, config, steps))
-            ports = (free_port(), free_port())
-            for config, value in _ranks.run(_rank, 2, ports, name, steps, timeout=600).items():
+            for config, value in run_ranks(_rank, 2, free_port(), name, steps, backend=None, timeout=600)[0].items():
                 samples[name].setdefault(config, []).append(value)
     return {name: {config: (statistics.median(s for s, _ in values), statistics.median(c for _, c in values))
                    for config, values in configs.items()} for name, configs in samples.items()}

@@ -29,9 +29,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
-from benchmarks import _ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `tests` importable
 from shoal.ports import free_port
+from tests.ranks import run_ranks
 
 MICROBATCHES = (1, 2, 4, 8, 16)
 VARIANTS = ("shoal GPipe", "torch GPipe", "shoal 1F1B", "torch 1F1B")
@@ -159,7 +159,7 @@ def _combine(busy: float, pipe: float) -> tuple[float, float]:
     return both[0].item(), both[1].item()
 
 
-def _worker(rank: int, ports: tuple[int, int], args: argparse.Namespace, results) -> None:
+def _worker(rank: int, world_size: int, port: int, native_port: int, args: argparse.Namespace) -> list[dict]:
     import torch
     import torch.distributed as tdist
 
@@ -171,8 +171,8 @@ def _worker(rank: int, ports: tuple[int, int], args: argparse.Namespace, results
     torch.autograd.backward = _timed(torch.autograd.backward)
     timeout = timedelta(seconds=300)
     # torch's pipelining runs on torch.distributed's default group.
-    tdist.init_process_group("gloo", f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=STAGES, timeout=timeout)
-    native = ShoalProcessGroup.create(join(Endpoint("127.0.0.1", ports[1], rank, STAGES), timeout), rank, STAGES,
+    tdist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=STAGES, timeout=timeout)
+    native = ShoalProcessGroup.create(join(Endpoint("127.0.0.1", native_port, rank, STAGES), timeout), rank, STAGES,
                                       timeout, "127.0.0.1")
     gen = torch.Generator().manual_seed(0)
     batch = (torch.randn(args.batch, args.width, generator=gen), torch.randn(args.batch, args.width, generator=gen))
@@ -190,10 +190,9 @@ def _worker(rank: int, ports: tuple[int, int], args: argparse.Namespace, results
         row = {"m": m, **dict(zip(steps, times.tolist(), strict=True))}
         row["idle"] = {k: measured[k]["idle"] for k in steps if k != "alone"}  # the same on every rank
         rows.append(row)
-    if rank == 0:
-        results.put(rows)
     native.shutdown()
     tdist.destroy_process_group()
+    return rows  # the same on every rank: the slower rank's times, and idle shares that every rank computes alike
 
 
 def theory(m: int) -> float:
@@ -262,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
-    rows = _ranks.run(_worker, STAGES, (free_port(), free_port()), args)
+    rows = run_ranks(_worker, STAGES, free_port(), args, backend=None, timeout=None)[0]
     print("\n".join(table(rows)))
     if args.plot is not None:
         plot(rows, args.plot)

@@ -19,9 +19,9 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks` importable
-from benchmarks import _ranks
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `tests` importable
 from shoal.ports import free_port
+from tests.ranks import run_ranks
 
 TENSOR_NUMEL = (1 << 20) // 4  # 1 MiB of float32
 IN_FLIGHT = 64
@@ -69,7 +69,7 @@ def _measure(lib, seconds: float) -> dict[str, float]:
             "throughput": _throughput(lambda arg: lib.rpc_async("w1", echo, args=(arg,)), seconds)}
 
 
-def _worker(rank: int, ports: tuple[int, int], rounds: int, seconds: float, results) -> None:
+def _worker(rank: int, world_size: int, port: int, torch_port: int, rounds: int, seconds: float) -> dict | None:
     import torch
     import torch.distributed.rpc as trpc
 
@@ -79,18 +79,20 @@ def _worker(rank: int, ports: tuple[int, int], rounds: int, seconds: float, resu
     warnings.filterwarnings("ignore", category=UserWarning)  # torch.distributed.rpc's deprecation notices
     os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2,
-                 rpc_backend_options=rpc.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{ports[0]}"))
+                 rpc_backend_options=rpc.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}"))
     trpc.init_rpc(f"w{rank}", rank=rank, world_size=2,
-                  rpc_backend_options=trpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{ports[1]}"))
+                  rpc_backend_options=trpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{torch_port}"))
+    result = None
     if rank == 0:
         samples: dict[str, list[dict[str, float]]] = {"shoal": [], "torch": []}
         for _ in range(rounds):
             samples["shoal"].append(_measure(rpc, seconds))
             samples["torch"].append(_measure(trpc, seconds))
-        results.put({lib: {key: statistics.median(s[key] for s in rows) for key in rows[0]}
-                     for lib, rows in samples.items()})
+        result = {lib: {key: statistics.median(s[key] for s in rows) for key in rows[0]}
+                  for lib, rows in samples.items()}
     trpc.shutdown()
     rpc.shutdown()
+    return result  # rank 0's: the caller
 
 
 def table(result: dict[str, dict[str, float]]) -> list[str]:
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="turns each library takes (median reported)")
     parser.add_argument("--seconds", type=float, default=1.0, help="length of each measurement")
     args = parser.parse_args(argv)
-    result = _ranks.run(_worker, 2, (free_port(), free_port()), args.rounds, args.seconds)
+    result = run_ranks(_worker, 2, free_port(), args.rounds, args.seconds, backend=None, timeout=None)[0]
     print("\n".join(table(result)))
 
 

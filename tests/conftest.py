@@ -3,14 +3,15 @@ two hosts built from network namespaces for tests of the network between ranks."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.hosts import TwoHosts, namespaces_missing
+from tests.waiting import wait_until
 
 # Children that multiprocessing keeps for the whole session by design, not started by any one test.
 _SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
@@ -48,10 +49,14 @@ def leaves_no_child_process_behind() -> Iterator[None]:
         return
     before = set(_running_children())
     yield
-    deadline = time.monotonic() + _EXIT_GRACE_S
-    while (left := {pid: cmd for pid, cmd in _running_children().items() if pid not in before}) and \
-            time.monotonic() < deadline:
-        time.sleep(0.05)
+
+    def started_here() -> dict[int, str]:
+        return {pid: cmd for pid, cmd in _running_children().items() if pid not in before}
+
+    with contextlib.suppress(TimeoutError):  # whatever still runs then is killed and named below
+        wait_until(lambda: not started_here(), "the test's child processes have exited", timeout=_EXIT_GRACE_S,
+                   interval=0.05)
+    left = started_here()
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -14,7 +14,7 @@ import shoal.distributed as dist
 from tests.ranks import run_ranks
 
 
-def _overlap(rank: int, world: int) -> bool:
+def _overlap(rank: int, world: int) -> list[float]:
     store = dist.default_group().store
     if rank == 1:  # joins only once rank 0 has computed while its all-reduce was in flight
         store.wait(["computed"], timeout=timedelta(seconds=30))
@@ -26,14 +26,14 @@ def _overlap(rank: int, world: int) -> bool:
     while not work.is_completed():
         a = torch.tanh(a @ a)
     assert work.wait() and work.exception() is None
-    return bool(torch.all(tensor == world * (world + 1) / 2))
+    return tensor.unique().tolist()  # the values the sum came out as
 
 
 @pytest.mark.parametrize("backend", ["shoal", "gloo"])
 def test_async_all_reduce_returns_at_once_and_completes_in_the_background(backend: str) -> None:
     # A blocking async_op would wait for rank 1, which waits for rank 0's first step: the test times out.
     out = run_ranks(_overlap, 2, backend=backend, group_timeout=20)
-    assert out == {0: True, 1: True}
+    assert out == {0: [3.0], 1: [3.0]}  # 1 + 2 everywhere
 
 
 def _issue_order(rank: int, world: int) -> list[float]:

@@ -17,7 +17,8 @@ from shoal import rpc
 from shoal.errors import PeerFailure
 from shoal.ports import free_port
 from shoal.rpc.autograd_contexts import contexts
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, run_rpc_ranks
+from tests.waiting import wait_until
 
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 
@@ -56,13 +57,18 @@ def live_contexts() -> int:
 
 def contexts_left(workers: list[str], seconds: float = 20.0) -> list[int]:
     """How many contexts each worker holds once releases have arrived: they travel as notices that
-    nobody waits for, so this polls, with a deadline, until none is left or time is up."""
-    deadline = time.monotonic() + seconds
-    while True:
-        left = [rpc.rpc_sync(worker, live_contexts) for worker in workers]
-        if not any(left) or time.monotonic() > deadline:
-            return left
-        time.sleep(0.01)
+    nobody waits for, so this polls until none is left; it raises, naming the counts, if time is up."""
+    left: list[int] = []
+
+    def released() -> bool:
+        left[:] = [rpc.rpc_sync(worker, live_contexts) for worker in workers]
+        return not any(left)
+
+    try:
+        wait_until(released, f"{', '.join(workers)} hold no context", timeout=seconds)
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}; they hold {left}") from None
+    return left
 
 
 # ---- the remote pieces of the computations ------------------------------------------------------
@@ -102,8 +108,7 @@ def _x() -> torch.Tensor:
     return initial("x", (3, 4)).requires_grad_()
 
 
-def _scenarios(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port)
+def _scenarios(rank: int, world: int) -> dict:
     out: dict = {}
     if rank == 0:
         ref = {name: initial(name, (4, 4)).requires_grad_() for name in ("A", "B", "B2", "C", "D")}
@@ -181,13 +186,12 @@ def _scenarios(rank: int, world: int, port: int) -> dict:
         xr = _x()
         expected = list(torch.autograd.grad((xr @ ref["B"]).sum(), [xr, ref["B"]]))
         out["unused"] = (got[:2], expected, got[2:])
-    rpc.shutdown()
     return out
 
 
 @pytest.fixture(scope="module")
 def scenarios() -> dict:
-    return run_ranks(_scenarios, 3, backend=None, timeout=90)[0]
+    return run_rpc_ranks(_scenarios, 3, timeout=90)[0]
 
 
 @pytest.mark.parametrize("case", ["chain", "diamond", "to_here", "proxy", "forwarded"])
@@ -241,8 +245,7 @@ def test_concurrent_contexts_over_shared_parameters_stay_apart() -> None:
     assert out[0]["p_grad"] is None
 
 
-def _many_contexts(rank: int, world: int, port: int) -> list[int] | None:
-    _init(rank, world, port)
+def _many_contexts(rank: int, world: int) -> list[int] | None:
     left = None
     if rank == 0:
         for step in range(1000):
@@ -252,12 +255,11 @@ def _many_contexts(rank: int, world: int, port: int) -> list[int] | None:
                 y = rpc.rpc_sync("w2", stage_c, args=(h,)) if step % 2 else h
                 dist_autograd.backward(cid, [y.sum()])
         left = contexts_left(["w0", "w1", "w2"])
-    rpc.shutdown()
     return left
 
 
 def test_after_a_thousand_contexts_none_is_alive_on_any_worker() -> None:
-    assert run_ranks(_many_contexts, 3, backend=None, timeout=120)[0] == [0, 0, 0]
+    assert run_rpc_ranks(_many_contexts, 3, timeout=120)[0] == [0, 0, 0]
 
 
 # ---- failures ----------------------------------------------------------------------------------------
@@ -299,8 +301,7 @@ def dies_in_backward(x: torch.Tensor) -> torch.Tensor:
     return FaultInBackward.apply(x @ param("B"), "die")
 
 
-def _remote_backward_error(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port)
+def _remote_backward_error(rank: int, world: int) -> dict:
     out: dict = {}
     if rank == 0:
         with dist_autograd.context() as cid:
@@ -310,20 +311,19 @@ def _remote_backward_error(rank: int, world: int, port: int) -> dict:
             except ValueError as exc:
                 out["error"] = (type(exc).__name__, str(exc), str(exc.__cause__))
         out["alive"] = contexts_left(["w0", "w1"])
-    rpc.shutdown()
     return out
 
 
 def test_an_error_in_a_remote_backward_reaches_the_caller_with_its_type_and_traceback() -> None:
-    out = run_ranks(_remote_backward_error, 2, backend=None, timeout=60)
+    out = run_rpc_ranks(_remote_backward_error, 2, timeout=60)
     kind, message, remote_traceback = out[0]["error"]
     assert (kind, message) == ("ValueError", "backward refused on purpose")
     assert "on worker 'w1'" in remote_traceback and "raise ValueError" in remote_traceback
     assert out[0]["alive"] == [0, 0]
 
 
-def _callee_dies_mid_backward(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port)
+def _callee_dies_mid_backward(rank: int, world: int) -> dict:
+    """w1 returns at once and is killed in its shutdown, serving w0's backward."""
     out: dict = {}
     if rank == 0:
         with dist_autograd.context() as cid:
@@ -333,12 +333,11 @@ def _callee_dies_mid_backward(rank: int, world: int, port: int) -> dict:
                 dist_autograd.backward(cid, [(y.sum() + z.sum())])
             out["failed_rank"] = failure.value.rank
         out["alive"] = contexts_left(["w0", "w2"])
-    rpc.shutdown()  # w1 is killed in it, serving w0's backward
     return out
 
 
 def test_a_worker_dying_mid_backward_is_raised_as_peer_failure_naming_it() -> None:
-    out = run_ranks(_callee_dies_mid_backward, 3, backend=None, timeout=60, expect={1: "dies"})
+    out = run_rpc_ranks(_callee_dies_mid_backward, 3, timeout=60, expect={1: "dies"})
     assert out[0] == {"failed_rank": 1, "alive": [0, 0]}
 
 
@@ -350,10 +349,9 @@ def kills_originator_in_backward(x: torch.Tensor) -> torch.Tensor:
     return FaultInBackward.apply(x @ param("B"), "kill the originator")
 
 
-def _originator_dies_mid_backward(rank: int, world: int, port: int) -> dict:
+def _originator_dies_mid_backward(rank: int, world: int) -> dict:
     """w2 starts a backward through w1 and w0 and is killed while w1's part runs; the survivors
     release w2's contexts on their own."""
-    _init(rank, world, port)
     if rank == 2:
         rpc.rpc_sync("w1", remember_originator, args=(os.getpid(),))
         with dist_autograd.context() as cid:
@@ -361,31 +359,27 @@ def _originator_dies_mid_backward(rank: int, world: int, port: int) -> dict:
             y = rpc.rpc_sync("w1", kills_originator_in_backward, args=(h,))
             dist_autograd.backward(cid, [y.sum()])
         return {}
-    deadline = time.monotonic() + 30
     # Wait until w2 has used this worker in a context and then died, which ends that context here.
-    while (not rpc.api.current_agent().is_lost("w2") or len(contexts)) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    alive = len(contexts)
-    rpc.shutdown()
-    return {"alive": alive}
+    wait_until(lambda: rpc.api.current_agent().is_lost("w2") and not len(contexts),
+               f"w2 is lost and w{rank} holds none of its contexts", timeout=30)
+    return {"alive": len(contexts)}
 
 
 def test_the_contexts_of_an_originator_killed_mid_backward_are_released_by_the_others() -> None:
-    out = run_ranks(_originator_dies_mid_backward, 3, backend=None, timeout=60, expect={2: "dies"})
+    out = run_rpc_ranks(_originator_dies_mid_backward, 3, timeout=60, expect={2: "dies"})
     assert out[0] == out[1] == {"alive": 0}
 
 
 # ---- DistributedDataParallel inside a context -------------------------------------------------------
 
-def _ddp_in_context(rank: int, world: int, port: int, group_port: int) -> dict | None:
+def _ddp_in_context(rank: int, world: int, group_port: int) -> dict | None:
     """w1 and w2 wrap a local layer in DDP (a process group of their own) after a layer on w0; a
     distributed backward leaves the layer's gradients in each context averaged over both."""
     import shoal.distributed as dist
     from shoal.nn import RemoteModule
     from shoal.parallel import DistributedDataParallel
 
-    _init(rank, world, port)
-    checks = None
+    out = None
     if rank > 0:
         dist.init_process_group("shoal", f"tcp://127.0.0.1:{group_port}", rank=rank - 1, world_size=2)
         remote = RemoteModule("w0/cpu", torch.nn.Linear, args=(4, 4), kwargs={"dtype": torch.float64})
@@ -402,21 +396,20 @@ def _ddp_in_context(rank: int, world: int, port: int, group_port: int) -> dict |
         theirs = [torch.zeros_like(g) for g in mine]
         for g, t in zip(mine, theirs, strict=True):
             dist.all_reduce(t.copy_(g))
-        checks = {
-            "averaged": all(torch.allclose(g, t / 2, rtol=1e-12, atol=1e-12) for g, t in zip(got, theirs, strict=True)),
-            "not .grad": local.weight.grad is None,
-            "trainers differ": not torch.allclose(mine[0], theirs[0] / 2),  # else averaging proves nothing
-        }
+        out = {"in context": got, "averaged": [t / 2 for t in theirs], "mine": list(mine),
+               "weight.grad": local.weight.grad}
         dist.destroy_process_group()
-    rpc.shutdown()
-    return checks
+    return out
 
 
 def test_ddp_inside_a_context_averages_its_gradients_in_the_context() -> None:
-
-    out = run_ranks(_ddp_in_context, 3, free_port(), backend=None, timeout=90)
-    expected = {"averaged": True, "not .grad": True, "trainers differ": True}
-    assert out[1] == expected and out[2] == expected
+    out = run_rpc_ranks(_ddp_in_context, 3, free_port(), timeout=90)
+    for rank in (1, 2):
+        torch.testing.assert_close(out[rank]["in context"], out[rank]["averaged"], **TOL,
+                                   msg=lambda m, rank=rank: f"w{rank}'s gradients in the context: {m}")
+        assert out[rank]["weight.grad"] is None  # the context holds them, not .grad
+        # The trainers' own gradients differ, else averaging would prove nothing.
+        assert not torch.allclose(out[rank]["mine"][0], out[rank]["averaged"][0]), out[rank]
 
 
 # ---- every worker a context reached is told when it ends ---------------------------------------------
@@ -432,8 +425,7 @@ def slow_output(x: torch.Tensor) -> torch.Tensor:
     return x @ param("B")
 
 
-def _contexts_end_everywhere(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port)
+def _contexts_end_everywhere(rank: int, world: int) -> dict:
     out: dict = {}
     if rank == 0:
         with dist_autograd.context():
@@ -445,12 +437,11 @@ def _contexts_end_everywhere(rank: int, world: int, port: int) -> dict:
         except RuntimeError as exc:
             out["late"] = str(exc)
         out["left"] = contexts_left(["w0", "w1", "w2"])
-    rpc.shutdown()
     return out
 
 
 def test_contexts_end_on_workers_reached_without_grad_tensors_and_do_not_come_back_late() -> None:
-    out = run_ranks(_contexts_end_everywhere, 3, backend=None, timeout=60)[0]
+    out = run_rpc_ranks(_contexts_end_everywhere, 3, timeout=60)[0]
     assert isinstance(out["relayed"], float)
     assert "released here already" in out["late"]
     assert out["left"] == [0, 0, 0]

@@ -14,14 +14,15 @@ import pytest
 
 from shoal.elastic.launch_config import parse_args
 from shoal.ports import free_port
-from tests.ranks import wait_gone
+from tests.waiting import process_gone, wait_until
 
+ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def _launch(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+def _launch(*args: str, timeout: float = 90, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shoal.run", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd)
 
 
 def test_workers_get_torchrun_environment_and_prefixed_output() -> None:
@@ -85,8 +86,7 @@ def test_sigterm_reaches_every_worker_and_leaves_no_orphans(tmp_path: Path) -> N
         for rank in range(2):  # the launcher passed the signal on: each worker's handler ran
             assert (tmp_path / f"got-sigterm{rank}").read_text() == "yes"
         for pid in pids:
-            with pytest.raises(ProcessLookupError):
-                wait_gone(pid)
+            wait_until(lambda pid=pid: process_gone(pid), f"worker {pid} has exited", timeout=10, interval=0.1)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -113,7 +113,8 @@ def test_two_launchers_form_one_static_multi_node_job() -> None:
 
 def test_the_store_outlives_rank_0_because_the_launcher_serves_it() -> None:
     # Were rank 0 serving it, the store would have gone with rank 0's process.
-    result = _launch("--nproc-per-node", "2", str(SCRIPTS / "regroup_after_rank0_leaves.py"))
+    result = _launch("--nproc-per-node", "2", "-m", "tests.scripts.regroup_after_rank0_leaves",
+                     cwd=ROOT)  # where -m finds tests.scripts
     assert result.returncode == 0, result.stderr
     assert "[rank1]: regrouped alone after rank 0 left: sum 2, note 'hello'" in result.stdout
 

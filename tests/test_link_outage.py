@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.hosts import TwoHosts
+from tests.waiting import wait_until
 
 SCRIPT = Path(__file__).parent / "scripts" / "all_reduce_until_stopped.py"
 STORE_PORT = 29500  # each host is a namespace of its own: no other process can hold this port there
@@ -31,13 +32,9 @@ def _progress(workdir: Path) -> int:
     return min(counts)
 
 
-def _wait_for(condition: Callable[[], bool], what: str, ranks: list[subprocess.Popen], timeout: float = 60) -> None:
-    """Wait until `condition` holds; stop at once when a rank ends (its result says how)."""
-    deadline = time.monotonic() + timeout
-    while not condition() and all(p.poll() is None for p in ranks):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen within {timeout:g}s")
-        time.sleep(0.05)
+def _or_a_rank_ends(condition: Callable[[], bool], ranks: list[subprocess.Popen]) -> Callable[[], bool]:
+    """`condition`, or any rank has ended: a wait stops at once then (the rank's result says how)."""
+    return lambda: condition() or any(p.poll() is not None for p in ranks)
 
 
 def _run_outage(hosts: TwoHosts, workdir: Path, *, down_s: float, reset: int | None,
@@ -49,14 +46,18 @@ def _run_outage(hosts: TwoHosts, workdir: Path, *, down_s: float, reset: int | N
     ranks = [hosts.start(rank, [str(SCRIPT), str(rank), hosts.addresses[0], str(STORE_PORT), str(workdir)], env,
                          logs[rank]) for rank in (0, 1)]
     try:
-        _wait_for(lambda: _progress(workdir) >= 3, "three rounds before the outage", ranks)
+        wait_until(_or_a_rank_ends(lambda: _progress(workdir) >= 3, ranks),
+                   "both ranks have finished three rounds before the outage, or one has ended", timeout=60,
+                   interval=0.05)
         before = _progress(workdir)
         hosts.link("down")
         if reset is not None:  # the rendezvous store's connection is spared: it is not shoal's transport
             assert hosts.reset_connections(reset, spare_port=STORE_PORT) >= 1, "no connection to reset"
         time.sleep(down_s)
         hosts.link("up")
-        _wait_for(lambda: _progress(workdir) >= before + 5, "five rounds after the outage", ranks)
+        wait_until(_or_a_rank_ends(lambda: _progress(workdir) >= before + 5, ranks),
+                   "both ranks have finished five rounds after the outage, or one has ended", timeout=60,
+                   interval=0.05)
         (workdir / "stop").touch()
         for p in ranks:
             p.wait(timeout=60)

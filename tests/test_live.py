@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from shoal.data import ElasticSampler
 from shoal.elastic.live import LiveTraining
 from shoal.ports import free_port
 from tests.ranks import run_ranks
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES, BATCH, SEED = 61, 2, 1
@@ -99,8 +99,9 @@ def test_survivors_finish_the_epoch_with_every_sample_once(victim: int | None, l
 
 def _launch_live(*args: str, restarts: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shoal.run", "--live", "--max-restarts", str(restarts),
-                           "--nproc-per-node", "3", str(Path(__file__).parent / "scripts" / "live_train.py"), *args],
-                          capture_output=True, text=True, timeout=180, env=dict(os.environ, **QUIET))
+                           "--nproc-per-node", "3", "-m", "tests.scripts.live_train", *args],
+                          capture_output=True, text=True, timeout=180, env=dict(os.environ, **QUIET),
+                          cwd=ROOT)  # where -m finds tests.scripts
 
 
 def _states(stdout: str) -> tuple[dict[str, list[tuple[str, str]]], dict[str, str]]:
@@ -199,22 +200,27 @@ def test_a_node_that_arrives_later_joins_the_job_and_a_lost_node_is_dropped(tmp_
     worker joins it live; then that node's launcher is killed (its worker dies with it), and the first
     two finish without it, every sample trained once."""
     endpoint = f"127.0.0.1:{free_port()}"
-    script = [str(Path(__file__).parent / "scripts" / "live_train.py"), "--epochs", "2"]
+    script = ["-m", "tests.scripts.live_train", "--epochs", "2"]
 
     def node(name: str, *args: str) -> tuple[subprocess.Popen, Path]:
         out = tmp_path / f"{name}.out"
         command = [sys.executable, "-m", "shoal.run", "--nnodes", "2:3", "--nproc-per-node", "1", "--live",
                    "--rdzv-endpoint", endpoint, "--rdzv-id", "grow", *script, *args]
         with out.open("w") as sink:
-            return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ, **QUIET)), out
+            return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=dict(os.environ, **QUIET),
+                                    cwd=ROOT), out  # where -m finds tests.scripts
 
     # The first two wait between steps, while short of three workers, until the third asks to join.
     nodes = [node(name, "--await-joiner", "--full-size", "3") for name in ("a", "b")]
+
+    def formed() -> bool:
+        if any("generation 0 of 2 step 0" in out.read_text() for _, out in nodes):
+            return True
+        assert all(proc.poll() is None for proc, _ in nodes), [out.read_text() for _, out in nodes]
+        return False
+
     try:
-        deadline = time.monotonic() + 90
-        while not any("generation 0 of 2 step 0" in out.read_text() for _, out in nodes):  # the job has formed
-            assert time.monotonic() < deadline and all(proc.poll() is None for proc, _ in nodes)
-            time.sleep(0.1)
+        wait_until(formed, "the first two nodes have formed the job", timeout=90, interval=0.1)
         nodes.append(node("c", "--kill-launcher", "2:10"))  # slot 2: the node's only worker has launch rank 2
         codes = [proc.wait(timeout=150) for proc, _ in nodes]
     finally:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -20,6 +19,7 @@ from shoal.elastic import membership as membership_module
 from shoal.elastic.membership import EvictedError, Generation, JobFinished, Membership
 from shoal.errors import GroupBrokenError, PeerFailure
 from tests.ranks import run_ranks
+from tests.waiting import wait_until
 
 STEPS = 8
 LOST_AT = 4
@@ -118,9 +118,8 @@ def test_a_worker_started_in_place_of_a_lost_one_joins_the_next_generation_after
     assert not member.joiners_waiting(first)
     with ThreadPoolExecutor(1) as pool:
         admitted = pool.submit(joiner.join)
-        deadline = time.monotonic() + 10
-        while not member.joiners_waiting(first) and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_until(lambda: member.joiners_waiting(first), "the joiner waits to be admitted", timeout=10,
+                   interval=0.001)
         second = member.next(first, _Judging(set()))
         assert second == Generation(1, ("worker0", "worker0-again"), joined=1)
         assert admitted.result(timeout=10) == second
@@ -156,10 +155,8 @@ def _lose_the_last_rank(rank: int, world: int) -> frozenset[int]:
     dist.barrier()
     if rank == world - 1:
         os._exit(0)
-    deadline = time.monotonic() + 30
-    while not group.failed_ranks() and time.monotonic() < deadline:
-        time.sleep(0.01)  # the loss is noticed by the transport's reader thread; poll its verdict briefly
-    return group.failed_ranks()
+    # The loss is noticed by the transport's reader thread: poll its verdict.
+    return wait_until(group.failed_ranks, f"rank {rank}'s group finds a rank lost", timeout=30)
 
 
 def test_a_shoal_group_names_the_ranks_it_has_lost() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 import shoal.multiprocessing as mp
-from tests.ranks import wait_gone
+from tests.waiting import process_gone, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 _DEADLINE_S = 60.0
@@ -26,10 +27,9 @@ _SPAWN = mp.get_context("spawn")
 
 
 def _join(context: mp.ProcessContext) -> None:
-    deadline = time.monotonic() + _DEADLINE_S
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"children {context.pids()} still running after {_DEADLINE_S:g} s")
+    # join itself waits (a second at a time), so the poll needs no pause of its own.
+    wait_until(lambda: context.join(timeout=1.0), f"children {context.pids()} have exited", timeout=_DEADLINE_S,
+               interval=0)
 
 
 @pytest.fixture
@@ -110,8 +110,8 @@ def test_children_die_with_their_parent() -> None:
         parent.kill()
         parent.wait(10)
         for pid in children:
-            with pytest.raises(ProcessLookupError):  # not returning means the child outlived its parent
-                wait_gone(pid)
+            wait_until(lambda pid=pid: process_gone(pid), f"child {pid} has died with its parent", timeout=10,
+                       interval=0.1)
     finally:
         parent.kill()
         parent.wait(10)
@@ -208,9 +208,9 @@ def _send_many(index: int, out: mp.Queue, warmed, received, leftover: mp.Queue, 
         out.put(torch.full((16,), float(k)))
     assert received.wait(_DEADLINE_S)
     # The last descriptor handed over is closed by multiprocessing's sharer thread just after the hand-over.
-    deadline = time.monotonic() + 5
-    while _fds() != baseline and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # What is left after the wait is reported either way: the test names it.
+    with contextlib.suppress(TimeoutError):
+        wait_until(lambda: _fds() == baseline, "the sender's open descriptors are back to their baseline", timeout=5)
     leftover.put(_fds() - baseline)
 
 

@@ -11,6 +11,7 @@ from datetime import timedelta
 
 from shoal.comm.backends.work import OpQueue
 from tests.threads import linux_only, named, voluntary_switches
+from tests.waiting import wait_until
 
 TIMEOUT_S = 10
 
@@ -25,10 +26,9 @@ def _started(queue_name: str) -> Iterator[tuple[OpQueue, threading.Thread]]:
     queue = OpQueue(queue_name)
     try:
         assert not queue.submit(_nothing)  # queued: this starts the thread
-        deadline = time.monotonic() + TIMEOUT_S
-        while not queue.submit(_nothing, inline_if_idle=True):  # queued too, behind what still runs
-            assert time.monotonic() < deadline, "the queue's thread never went idle"
-            time.sleep(0.001)
+        # Each try that finds the thread busy queues one more job behind what still runs.
+        wait_until(lambda: queue.submit(_nothing, inline_if_idle=True), "the queue's thread goes idle",
+                   timeout=TIMEOUT_S, interval=0.001)
         queue.run_here(_nothing)  # the queue was idle: no job of the thread's is left
         yield queue, named(queue_name)
     finally:

@@ -16,7 +16,7 @@ import torch
 import shoal
 import shoal.distributed as dist
 from shoal import rpc
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, run_rpc_ranks
 
 
 class _Chaos:
@@ -138,9 +138,7 @@ def _calls_so_far() -> int:
     return _calls
 
 
-def _rpc_under_resets(rank: int, world: int, port: int) -> dict:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world)
+def _rpc_under_resets(rank: int, world: int) -> dict:
     result = {}
     if rank == 0:
         chaos = _Chaos(rpc.api.current_agent().transport, [1], seed=7, pause=(0.002, 0.02))
@@ -155,12 +153,12 @@ def _rpc_under_resets(rank: int, world: int, port: int) -> dict:
             answers += [f.wait() for f in futures]
         result = {"severed": chaos.stop(), "answers": sorted(answers),
                   "calls": rpc.rpc_sync("worker1", _calls_so_far)}
-    rpc.shutdown()
     return result
 
 
 def test_an_rpc_runs_exactly_once_however_often_its_link_drops() -> None:
-    out = run_ranks(_rpc_under_resets, 2, backend=None, timeout=180)[0]
+    out = run_rpc_ranks(_rpc_under_resets, 2, names=["worker0", "worker1"], options={"rpc_timeout": 60.0},
+                        timeout=180)[0]
     calls = len(out["answers"])
     assert out["answers"] == list(range(1, calls + 1)) and out["calls"] == calls, out
     assert out["severed"] >= 10, out

@@ -25,7 +25,8 @@ from shoal.comm.transport import auth
 from shoal.rpc.agent import riders
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import runs_on_reader
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, run_rpc_ranks
+from tests.waiting import wait_until
 
 
 def _init(rank: int, world: int, port: int, **options) -> None:
@@ -141,29 +142,19 @@ def rpc_listener() -> tuple[str, int]:
     return tuple(current_agent().transport.address)
 
 
-def wait_until(condition, what: str, seconds: float = 20.0) -> None:
-    """Poll an eventually-true condition (RRef deletions travel asynchronously), with a deadline."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.02)
-
-
 # ---- calls and futures ------------------------------------------------------------------------
 
-def _calls(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port)
+def _calls(rank: int, world: int) -> dict:
     out = {}
     if rank == 0:
         x = torch.randn(5, 3, dtype=torch.float64)
-        out["sync"] = torch.equal(rpc.rpc_sync("w1", add, args=(x, 2)), x + 2)
+        out["sync"] = (rpc.rpc_sync("w1", add, args=(x, 2)), x + 2)
         out["kwargs"] = rpc.rpc_sync(1, add, kwargs={"a": "a", "b": "b"})
         tensors = {"big": torch.arange(1 << 20, dtype=torch.float32), "int": torch.arange(6).view(2, 3).t()}
         got = rpc.rpc_sync(rpc.get_worker_info("w1"), scaled, args=(tensors, 3))
-        out["tensors"] = all(torch.equal(got[k], tensors[k] * 3) for k in tensors)
+        out["tensors"] = (got, {k: t * 3 for k, t in tensors.items()})
         futures = [rpc.rpc_async("w1", add, args=(i, i)) for i in range(20)]
-        out["async"] = [f.wait() for f in futures] == [2 * i for i in range(20)]
+        out["async"] = [f.wait() for f in futures]
         chained = rpc.rpc_async("w1", add, args=(1, 2)).then(lambda fut: fut.value() * 10)
         out["then"] = chained.wait()
         out["done"] = futures[0].done()
@@ -172,39 +163,41 @@ def _calls(rank: int, world: int, port: int) -> dict:
         counter = rpc.remote("w1", Counter, args=(5,))
         out["remote"] = (counter.rpc_sync().add(3), counter.rpc_async().add(1).wait(), counter.to_here().value,
                          counter.owner().name, counter.is_owner())
-        value = rpc.remote("w1", add, args=(torch.ones(4), 1))
-        out["remote_tensor"] = torch.equal(value.to_here(), torch.full((4,), 2.0))
+        out["remote_tensor"] = rpc.remote("w1", add, args=(torch.ones(4), 1)).to_here()
         local = rpc.RRef(torch.zeros(2))
-        out["local"] = (local.is_owner(), torch.equal(local.to_here(), torch.zeros(2)), local.owner_name())
+        out["local"] = (local.is_owner(), local.to_here(), local.owner_name())
         with pytest.raises(RuntimeError, match=r"local_value.*owner"):
             counter.local_value()
         with pytest.raises(ValueError, match="no worker is named 'nobody'"):
             rpc.rpc_sync("nobody", whoami)
         with pytest.raises(TypeError, match="lambdas"):
             rpc.rpc_sync("w1", lambda: 1)
-    rpc.shutdown()
     return out
 
 
 def test_sync_async_remote_and_to_here_with_tensors_and_plain_values() -> None:
-    out = run_ranks(_calls, 2, backend=None, timeout=90)[0]
-    assert out["sync"] and out["tensors"] and out["async"] and out["remote_tensor"]
+    out = run_rpc_ranks(_calls, 2, timeout=90)[0]
+    exact = {"rtol": 0, "atol": 0}  # what was sent, bit for bit, dtype and all
+    torch.testing.assert_close(*out["sync"], **exact)
+    torch.testing.assert_close(*out["tensors"], **exact)
+    assert out["async"] == [2 * i for i in range(20)]
+    torch.testing.assert_close(out["remote_tensor"], torch.full((4,), 2.0), **exact)
     assert out["kwargs"] == "ab"
     assert out["then"] == 30 and out["done"]
     assert out["self"] == "w0"
     assert out["info"] == (rpc.WorkerInfo("w0", 0), rpc.WorkerInfo("w1", 1))
     assert out["remote"] == (8, 9, 9, "w1", False)
-    assert out["local"] == (True, True, "w0")
+    is_owner, value, owner = out["local"]
+    assert (is_owner, owner) == (True, "w0")
+    torch.testing.assert_close(value, torch.zeros(2), **exact)
 
 
-def _nested(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port, num_worker_threads=4)
+def _nested(rank: int, world: int) -> dict:
     out = {}
     if rank == 0:
         out["chain"] = rpc.rpc_sync("w1", chain, args=(["w2"], 0))
         out["back"] = rpc.rpc_sync("w1", call_back, args=("w0",))
         out["ring"] = rpc.rpc_sync("w1", chain, args=(["w2", "w0", "w1"], 0))
-    rpc.shutdown()
     return out
 
 
@@ -225,8 +218,7 @@ def kept_values() -> list[float | None]:
     return uniform_values(_kept_tensors)
 
 
-def _large_tensors_kept(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port)
+def _large_tensors_kept(rank: int, world: int) -> dict:
     out = {}
     if rank == 0:
         # More 1 MiB tensors than the shared-memory lanes have slots, each kept alive on both sides:
@@ -236,12 +228,11 @@ def _large_tensors_kept(rank: int, world: int, port: int) -> dict:
         out["doubled"] = uniform_values(doubled)
         out["kept"] = rpc.rpc_sync("w1", kept_values)
         out["expected"] = list(range(count))
-    rpc.shutdown()
     return out
 
 
 def test_large_tensors_kept_by_both_sides_keep_their_values() -> None:
-    out = run_ranks(_large_tensors_kept, 2, backend=None, timeout=90)[0]
+    out = run_rpc_ranks(_large_tensors_kept, 2, timeout=90)[0]
     assert out["kept"] == out["expected"]
     assert out["doubled"] == [2 * v for v in out["expected"]]
 
@@ -250,8 +241,7 @@ def echo(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return tensors
 
 
-def _both_message_paths(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port)
+def _both_message_paths(rank: int, world: int) -> dict:
     out = {}
     if rank == 0:
         from shoal.rpc.agent import INLINE_BYTES
@@ -264,14 +254,15 @@ def _both_message_paths(rank: int, world: int, port: int) -> dict:
             sent = [t.clone() for t in tensors]
             for tensor in tensors:
                 tensor.zero_()  # once rpc_async returns, the caller may change what it sent
-            back = future.wait()
-            out[name] = all(b.dtype == s.dtype and torch.equal(b, s) for b, s in zip(back, sent, strict=True))
-    rpc.shutdown()
+            out[name] = (future.wait(), sent)
     return out
 
 
 def test_small_and_large_messages_arrive_equal_and_the_caller_may_reuse_its_tensors_at_once() -> None:
-    assert run_ranks(_both_message_paths, 2, backend=None, timeout=60)[0] == {"small": True, "large": True}
+    out = run_rpc_ranks(_both_message_paths, 2, timeout=60)[0]
+    assert sorted(out) == ["large", "small"]
+    for name, (back, sent) in out.items():
+        torch.testing.assert_close(back, sent, rtol=0, atol=0, msg=lambda m, name=name: f"{name} message: {m}")
 
 
 _noted: list[tuple[str, str]] = []
@@ -290,21 +281,19 @@ def noted_threads() -> list[tuple[str, str]]:
     return list(_noted)
 
 
-def _notices(rank: int, world: int, port: int) -> list[tuple[str, str]]:
-    _init(rank, world, port)
+def _notices(rank: int, world: int) -> list[tuple[str, str]]:
     noted = []
     if rank == 0:
         agent = current_agent()
         agent.notify("w1", note_thread, ("pool",))
         agent.notify("w1", note_thread_on_reader, ("reader",))
-        wait_until(lambda: len(rpc.rpc_sync("w1", noted_threads)) == 2, "both notices to run")
+        wait_until(lambda: len(rpc.rpc_sync("w1", noted_threads)) == 2, "both notices have run on w1")
         noted = sorted(rpc.rpc_sync("w1", noted_threads))
-    rpc.shutdown()
     return noted
 
 
 def test_a_notice_runs_on_the_pool_unless_its_function_runs_on_the_reader() -> None:
-    (pool, pool_thread), (reader, reader_thread) = run_ranks(_notices, 2, backend=None, timeout=60)[0]
+    (pool, pool_thread), (reader, reader_thread) = run_rpc_ranks(_notices, 2, timeout=60)[0]
     assert (pool, reader) == ("pool", "reader")
     assert pool_thread.startswith("shoal-rpc-w1") and reader_thread == "shoal-read-0"
 
@@ -318,7 +307,8 @@ def tell() -> None:
 
 def _notices_sent_soon(rank: int, world: int, port: int, ride: bool) -> list[str]:
     """Rank 0 sends w1 a notice soon. To ride, it then calls w1, and the notice may wait an hour for
-    a message, so only that call can bring it; else it calls w1 no more, and the notice goes alone."""
+    a message, so only that call can bring it; else it calls w1 no more, and the notice goes alone.
+    Each rank reports the notices it got after shutdown, when every call to it is done."""
     riders.WAIT_S = 3600.0 if ride else 0.02
     _init(rank, world, port)
     if rank == 0:
@@ -329,13 +319,13 @@ def _notices_sent_soon(rank: int, world: int, port: int, ride: bool) -> list[str
         waiting._send_alone = lambda dst, riders: (alone.append(dst), send_alone(dst, riders))
         agent.notify_soon("w1", note_thread_on_reader, ("soon",))
         if ride:
-            wait_until(lambda: rpc.rpc_sync("w1", noted_threads) != [], "the notice to ride on a call")
+            wait_until(lambda: rpc.rpc_sync("w1", noted_threads) != [], "the notice has ridden on a call to w1")
             assert alone == []
         else:
             assert _told.wait(20.0), "w1 never got the notice"
             assert alone == [1]
     elif not ride:
-        wait_until(lambda: _noted != [], "the notice to arrive alone")
+        wait_until(lambda: _noted != [], "the notice has arrived alone")
         rpc.rpc_sync("w0", tell)
     rpc.shutdown()
     return [label for label, _ in _noted]
@@ -350,7 +340,7 @@ def test_a_notice_sent_soon_with_nothing_to_ride_on_goes_alone() -> None:
 
 
 def test_nested_calls_and_a_call_back_to_the_caller() -> None:
-    out = run_ranks(_nested, 3, backend=None, timeout=90)[0]
+    out = run_rpc_ranks(_nested, 3, options={"num_worker_threads": 4}, timeout=90)[0]
     assert out["chain"] == ["w2:1", "w1"]
     assert out["back"] == "back from w0"
     assert out["ring"] == ["w1:3", "w0", "w2", "w1"]
@@ -358,8 +348,7 @@ def test_nested_calls_and_a_call_back_to_the_caller() -> None:
 
 # ---- remote references ------------------------------------------------------------------------
 
-def _rref_sharing(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port)
+def _rref_sharing(rank: int, world: int) -> dict:
     out = {}
     if rank == 0:
         counter = rpc.remote("w1", Counter, args=(0,))
@@ -371,20 +360,16 @@ def _rref_sharing(rank: int, world: int, port: int) -> dict:
         # sent to the owner makes a fork like any other, and finds its object.
         out["own_proxy"] = (mine.rpc_sync().add(1), rpc.rpc_sync("w0", bump, args=(mine, 1)))
         out["values"] = (counter.to_here().value, mine.local_value().value)
-    rpc.shutdown()
     return out
 
 
 def test_rref_passed_to_a_third_worker_is_used_there() -> None:
-    out = run_ranks(_rref_sharing, 3, backend=None, timeout=90)[0]
+    out = run_rpc_ranks(_rref_sharing, 3, timeout=90)[0]
     assert out == {"third": 5, "owner_gets_it_back": 6, "local_owner": 101, "own_proxy": (102, 103),
                    "values": (6, 103)}
 
 
-def _refcount(rank: int, world: int, port: int) -> dict:
-    # Each of the 40 `bump`s below waits on a nested call to w1: more threads than calls in flight, so a
-    # burst that lands before any nested call is served cannot fill the pool with waiters.
-    _init(rank, world, port, num_worker_threads=48)
+def _refcount(rank: int, world: int) -> dict:
     out = {}
     if rank == 0:
         # Dropped by its only holder: freed on the owner.
@@ -393,7 +378,7 @@ def _refcount(rank: int, world: int, port: int) -> dict:
         out["alive_while_held"] = rpc.rpc_sync("w1", live_counters)
         del lone
         gc.collect()
-        wait_until(lambda: rpc.rpc_sync("w1", live_counters) == 0, "the dropped object is freed")
+        wait_until(lambda: rpc.rpc_sync("w1", live_counters) == 0, "w1 has freed the dropped object")
 
         # Handed to w2 and dropped here at once: w2's reference keeps it alive, and it works there.
         shared = rpc.remote("w1", Counter, args=(10,))
@@ -402,7 +387,7 @@ def _refcount(rank: int, world: int, port: int) -> dict:
         gc.collect()
         out["after_sender_dropped"] = (rpc.rpc_sync("w2", use_kept, args=(1,)), rpc.rpc_sync("w1", live_counters))
         rpc.rpc_sync("w2", drop_kept)
-        wait_until(lambda: rpc.rpc_sync("w1", live_counters) == 0, "the object is freed after its last holder")
+        wait_until(lambda: rpc.rpc_sync("w1", live_counters) == 0, "w1 has freed the object after its last holder")
 
         # Many short-lived forks in flight: never freed early, and nothing left over afterwards.
         many = rpc.remote("w1", Counter, args=(0,))
@@ -410,14 +395,15 @@ def _refcount(rank: int, world: int, port: int) -> dict:
         out["many"] = sorted(f.wait() for f in results)[-1]
         del many, results
         gc.collect()
-        wait_until(lambda: rpc.rpc_sync("w1", owned_objects) == 0, "the owner's table is empty")
+        wait_until(lambda: rpc.rpc_sync("w1", owned_objects) == 0, "the owner's table on w1 is empty")
         out["end"] = (rpc.rpc_sync("w1", live_counters), rpc.rpc_sync("w1", owned_objects))
-    rpc.shutdown()
     return out
 
 
 def test_reference_counting_frees_objects_and_never_early() -> None:
-    out = run_ranks(_refcount, 3, backend=None, timeout=100)[0]
+    # Each of the 40 `bump`s waits on a nested call to w1: more threads than calls in flight, so a burst
+    # that lands before any nested call is served cannot fill the pool with waiters.
+    out = run_rpc_ranks(_refcount, 3, options={"num_worker_threads": 48}, timeout=100)[0]
     assert out["alive_while_held"] == 1
     assert out["after_sender_dropped"] == (11, 1)
     assert out["many"] == 40
@@ -426,8 +412,7 @@ def test_reference_counting_frees_objects_and_never_early() -> None:
 
 # ---- errors -----------------------------------------------------------------------------------
 
-def _errors(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port)
+def _errors(rank: int, world: int) -> dict:
     out = {}
     if rank == 0:
         try:
@@ -459,12 +444,11 @@ def _errors(rank: int, world: int, port: int) -> dict:
             rpc.rpc_sync("w1", sleep_then, args=(5.0, None), timeout=0.5)
         out["timeout_waited"] = time.monotonic() - start
         out["after_timeout"] = rpc.rpc_sync("w1", add, args=(2, 3))
-    rpc.shutdown()
     return out
 
 
 def test_remote_errors_keep_type_message_and_traceback_and_timeouts_raise() -> None:
-    out = run_ranks(_errors, 2, backend=None, timeout=90)[0]
+    out = run_rpc_ranks(_errors, 2, timeout=90)[0]
     message, cause, remote_traceback = out["value"]
     assert message == "bad value 42" and cause == "RemoteTraceback"
     assert "on worker 'w1'" in remote_traceback and "in fail_with" in remote_traceback
@@ -473,8 +457,7 @@ def test_remote_errors_keep_type_message_and_traceback_and_timeouts_raise() -> N
     assert out["after_timeout"] == 5
 
 
-def _killed(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port, rpc_timeout=60.0)
+def _killed(rank: int, world: int) -> dict:
     out = {}
     if rank == 0:
         pending = [rpc.rpc_async("w1", block_until_released) for _ in range(3)]
@@ -491,18 +474,16 @@ def _killed(rank: int, world: int, port: int) -> dict:
         out["survivor"] = rpc.rpc_sync("w2", whoami)
     if rank == 1:
         _release.wait(120)  # killed long before
-    rpc.shutdown()
     return out
 
 
 def test_callee_killed_mid_call_fails_every_pending_call_with_peer_failure() -> None:
-    out = run_ranks(_killed, 3, backend=None, timeout=100, expect={1: "dies"})[0]
+    out = run_rpc_ranks(_killed, 3, options={"rpc_timeout": 60.0}, timeout=100, expect={1: "dies"})[0]
     assert out["pending"] == [("PeerFailure", 1)] * 3
     assert out["survivor"] == "w2"
 
 
-def _intruder(rank: int, world: int, port: int) -> str:
-    _init(rank, world, port)
+def _intruder(rank: int, world: int) -> str:
     if rank == 0:
         host, listen_port = rpc.rpc_sync("w1", rpc_listener)
         marker = Path(os.environ["SHOAL_TEST_MARKER"])
@@ -521,13 +502,12 @@ def _intruder(rank: int, world: int, port: int) -> str:
         result = rpc.rpc_sync("w1", whoami)
     else:
         result = ""
-    rpc.shutdown()
     return result
 
 
 def test_unauthenticated_connection_is_rejected_and_nothing_is_unpickled(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
-    out = run_ranks(_intruder, 2, backend=None, timeout=60, env={"SHOAL_TEST_MARKER": str(marker)})
+    out = run_rpc_ranks(_intruder, 2, timeout=60, env={"SHOAL_TEST_MARKER": str(marker)})
     assert out[0] == "w1" and not marker.exists()
 
 

@@ -10,11 +10,15 @@ import pytest
 import torch
 
 from shoal import rpc
-from tests.ranks import run_ranks
+from tests.ranks import run_ranks, run_rpc_ranks
+from tests.waiting import wait_until
+
+RPC_TIMEOUT = 20.0
 
 
 def _init(rank: int, world: int, port: int, **options) -> None:
-    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=20.0, init_method=f"tcp://127.0.0.1:{port}", **options)
+    """As a script written for torch.distributed.rpc starts: its backend and its options' class."""
+    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=RPC_TIMEOUT, init_method=f"tcp://127.0.0.1:{port}", **options)
     rpc.init_rpc(f"w{rank}", backend=rpc.BackendType.TENSORPIPE, rank=rank, world_size=world,
                  rpc_backend_options=options)
 
@@ -139,15 +143,12 @@ def answered_through_then(value: int) -> torch.futures.Future:
     return chained
 
 
-def _then_future(rank: int, world: int, port: int) -> int | None:
-    _init(rank, world, port)
-    out = rpc.rpc_sync("w1", answered_through_then, args=(5,)) if rank == 0 else None
-    rpc.shutdown()
-    return out
+def _then_future(rank: int, world: int) -> int | None:
+    return rpc.rpc_sync("w1", answered_through_then, args=(5,)) if rank == 0 else None
 
 
 def test_an_async_function_may_return_the_future_that_torch_then_makes() -> None:
-    assert run_ranks(_then_future, 2, backend=None, timeout=60)[0] == 15
+    assert run_rpc_ranks(_then_future, 2, options={"rpc_timeout": RPC_TIMEOUT}, timeout=60)[0] == 15
 
 
 _noticed: list = []
@@ -166,25 +167,20 @@ def noticed() -> list:
         return list(_noticed)
 
 
-def _notices(rank: int, world: int, port: int) -> list | None:
-    import time
-
+def _notices(rank: int, world: int) -> list | None:
     from shoal.rpc.current import current_agent
 
-    _init(rank, world, port)
     out = None
     if rank == 0:
         agent = current_agent()
         for value in ("fail", 1, torch.ones(2)):
             agent.notify("w1", note, (value,))
-        deadline = time.monotonic() + 20
-        while len(rpc.rpc_sync("w1", noticed)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)  # notices are not answered: poll for their effect, with a deadline
+        # Notices are not answered: poll for their effect.
+        wait_until(lambda: len(rpc.rpc_sync("w1", noticed)) >= 3, "w1 has run all three notices", timeout=20)
         out = rpc.rpc_sync("w1", noticed)
-    rpc.shutdown()
     return out
 
 
 def test_a_notice_runs_on_the_callee_unanswered_and_a_failing_one_does_not_stop_the_others() -> None:
-    got = run_ranks(_notices, 2, backend=None, timeout=60)[0]
+    got = run_rpc_ranks(_notices, 2, options={"rpc_timeout": RPC_TIMEOUT}, timeout=60)[0]
     assert sorted(map(str, got)) == sorted(["fail", "1", str(torch.ones(2))])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -12,6 +11,7 @@ import torch.distributed as tdist
 
 from shoal.comm.store import Store
 from shoal.elastic.decisions import COMMIT, DISCARD, GROW, StepDecisions
+from tests.waiting import wait_until
 
 
 def _none() -> bool:
@@ -28,9 +28,8 @@ def test_a_step_every_member_reduced_commits_even_if_the_last_to_mark_dies_befor
     with ThreadPoolExecutor(2) as pool:
         waiting = [pool.submit(decisions.decide, "0/7", 3, reduced=True, member_lost=lost.is_set,
                                joiners_waiting=_none) for _ in range(2)]
-        deadline = time.monotonic() + 10
-        while store.add("0/7/reduced", 0) < 2 and time.monotonic() < deadline:  # both survivors have marked
-            time.sleep(0.001)
+        wait_until(lambda: store.add("0/7/reduced", 0) >= 2, "both survivors have marked step 0/7 reduced",
+                   timeout=10, interval=0.001)
         store.add("0/7/reduced", 1)  # the third marks, then dies before proposing
         lost.set()
         assert [w.result(timeout=10) for w in waiting] == [COMMIT, COMMIT]
@@ -63,9 +62,8 @@ def test_the_member_that_completes_the_count_admits_waiting_joiners_after_the_st
     decisions = _decisions(store=store)
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(decisions.decide, "2/5", 2, reduced=True, member_lost=_none, joiners_waiting=_none)
-        deadline = time.monotonic() + 10
-        while store.add("2/5/reduced", 0) < 1 and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_until(lambda: store.add("2/5/reduced", 0) >= 1, "the other member has marked step 2/5 reduced",
+                   timeout=10, interval=0.001)
         assert decisions.decide("2/5", 2, reduced=True, member_lost=_none, joiners_waiting=lambda: True) == GROW
         assert waiting.result(timeout=10) == GROW
 

@@ -3,7 +3,11 @@ RANK:STEP makes that rank SIGKILL itself before that step (in its first life onl
 launcher starts in its place joins and goes on); each --kill-launcher RANK:STEP makes it SIGKILL its
 launcher instead, which takes the worker with it (a lost node). Whenever its generation changes,
 each worker prints the step and a digest of its parameters, optimizer state and learning-rate
-schedule; each that finishes prints what its ledger of committed steps says."""
+schedule; each that finishes prints what its ledger of committed steps says. Run it as a module from
+the repository's root, so that `tests` can be imported:
+
+    shoal run --live --max-restarts 1 --nproc-per-node 3 -m tests.scripts.live_train --kill 1:5
+"""
 
 import argparse
 import hashlib
@@ -16,6 +20,7 @@ from torch import nn
 
 from shoal.data import ElasticSampler
 from shoal.elastic import LiveTraining
+from tests.waiting import wait_until
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--kill", action="append", default=[], help="RANK:STEP")
@@ -66,9 +71,8 @@ for epoch in live.epochs(args.epochs):
         if live.generation.number != reported:
             reported, grown, size = report(), grown or live.generation.size > size, live.generation.size
         if args.await_joiner and not grown and live.generation.size < full_size:
-            deadline = time.monotonic() + 60
-            while not live.membership.joiners_waiting(live.generation) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: live.membership.joiners_waiting(live.generation), "a worker asks to join",
+                       timeout=60)
             time.sleep(0.25)  # longer than LiveTraining's 0.2 s between looks for joiners: the next decision looks
         if first_life and (rank, live.steps) in kills:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,23 +1,17 @@
 """Rank 0 leaves a note in the job's rendezvous store and exits; rank 1 waits until rank 0's process is
 gone, forms a group of its own through the same store, and finds the note: the store outlived rank 0
-because the launcher serves it."""
+because the launcher serves it. Run it as a module from the repository's root, so that `tests` can be imported:
+
+    shoal run --nproc-per-node 2 -m tests.scripts.regroup_after_rank0_leaves
+"""
 
 import os
-import time
 from datetime import timedelta
 
 import torch
 
 import shoal.distributed as dist
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
+from tests.waiting import process_gone, wait_until
 
 timeout = timedelta(seconds=20)
 dist.init_process_group("shoal", timeout=timeout)
@@ -28,11 +22,8 @@ if dist.get_rank() == 0:
 dist.barrier()
 dist.destroy_process_group()
 if int(os.environ["RANK"]) == 1:
-    deadline = time.monotonic() + timeout.total_seconds()
-    while not gone(int(pids[0].item())):  # the launcher reaps it
-        if time.monotonic() > deadline:
-            raise TimeoutError("rank 0 did not exit")
-        time.sleep(0.05)
+    wait_until(lambda: process_gone(int(pids[0].item())), "rank 0 has exited", timeout=timeout.total_seconds(),
+               interval=0.05)
     dist.init_process_group("shoal", rank=0, world_size=1, timeout=timeout)  # env://: the same store
     t = torch.tensor([2.0])
     dist.all_reduce(t)
