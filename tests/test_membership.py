@@ -152,11 +152,15 @@ def _lose_the_last_rank(rank: int, world: int) -> frozenset[int]:
     import shoal.distributed as dist
 
     group = dist.default_group()
+    survivors = dist.new_group(list(range(world - 1)))
     dist.barrier()
     if rank == world - 1:
         os._exit(0)
     # The loss is noticed by the transport's reader thread: poll its verdict.
-    return wait_until(group.failed_ranks, f"rank {rank}'s group finds a rank lost", timeout=30)
+    found = wait_until(group.failed_ranks, f"rank {rank}'s group finds a rank lost", timeout=30)
+    # A survivor that left now would be lost too, to one still looking: neither leaves before both have looked.
+    dist.barrier(group=survivors)
+    return found
 
 
 def test_a_shoal_group_names_the_ranks_it_has_lost() -> None:
