@@ -1,8 +1,9 @@
 """Every environment variable shoal reads, declared once: its name, default, type, check and a line of doc.
 
-A variable is read when it is needed (`SHOAL_HEAL_TIMEOUT.get()`), not at import, so a test or a launcher
-may set it for one process; a value that fails its check raises ValueError naming the variable. This
-module imports nothing of shoal's, so every layer may read its settings here.
+A variable is read when it is needed (`SHOAL_HEAL_TIMEOUT.get()`), so a test or a launcher may set it for
+one process (the flight recorder's capacity is needed when shoal.observe.flight is first imported); a
+value that fails its check raises ValueError naming the variable. This module imports nothing of
+shoal's, so every layer may read its settings here.
 """
 
 from __future__ import annotations
@@ -36,9 +37,6 @@ class Variable(Generic[T]):
             return self.parse(text)
         except ValueError as exc:
             raise ValueError(f"{self.name}={text!r}: {exc}") from None
-
-    def is_set(self) -> bool:
-        return bool(os.environ.get(self.name))
 
 
 def _float_seconds(text: str) -> float:

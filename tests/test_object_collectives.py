@@ -72,15 +72,44 @@ def test_object_collectives_leave_what_torch_distributed_leaves(world: int) -> N
     assert outcomes[0][0]["gather"][2 % world] is not None  # the dst really holds every rank's objects
 
 
-def _bad_list_lengths(rank: int, world: int) -> str:
+def _bad_list_lengths(rank: int, world: int) -> list | str:
+    """Rank 0 passes a list too short for the group; rank 1 one longer than it (extra entries stay)."""
     import shoal.distributed as dist
 
-    with pytest.raises(ValueError, match=r"object_list must hold one entry per rank of the group \(2\), got 1"):
-        dist.all_gather_object([None], rank)
-    with pytest.raises(ValueError, match="give src=0 or group_src=0, not both"):
-        dist.broadcast_object_list([rank], src=0, group_src=0)
-    return "raised"
+    if rank == 0:
+        with pytest.raises(ValueError, match=r"object_list must hold an entry per rank of the group \(2\), got 1"):
+            dist.all_gather_object([None], "zero")
+        with pytest.raises(ValueError, match="give src=0 or group_src=0, not both"):
+            dist.broadcast_object_list([rank], src=0, group_src=0)
+        return "raised"
+    longer = [None, None, "kept"]
+    dist.all_gather_object(longer, "one")  # completes: the short list fails on rank 0 after the collective
+    return longer
 
 
-def test_object_collectives_name_a_list_of_the_wrong_length() -> None:
-    assert run_ranks(_bad_list_lengths, 2) == {0: "raised", 1: "raised"}
+def test_a_list_too_short_is_named_after_the_collective_and_a_longer_one_keeps_its_tail() -> None:
+    assert run_ranks(_bad_list_lengths, 2) == {0: "raised", 1: ["zero", "one", "kept"]}
+
+
+def _in_a_subgroup(rank: int, world: int) -> dict[str, Any] | None:
+    """Global ranks 1 and 2 form a subgroup; roots are named by global rank or by group rank."""
+    import shoal.distributed as dist
+
+    group = dist.new_group([1, 2])
+    if group is None:
+        return None
+    by_global = [f"from {rank}"]
+    dist.broadcast_object_list(by_global, src=2, group=group)
+    by_group_rank = [f"from {rank}"]
+    dist.broadcast_object_list(by_group_rank, group=group, group_src=0)  # group rank 0: global rank 1
+    gathered = [None, None] if rank == 1 else None
+    dist.gather_object(rank * 10, gathered, group=group, group_dst=0)
+    return {"by_global": by_global, "by_group_rank": by_group_rank, "gathered": gathered}
+
+
+def test_object_collectives_in_a_subgroup_take_global_or_group_ranks() -> None:
+    assert run_ranks(_in_a_subgroup, 3) == {
+        0: None,
+        1: {"by_global": ["from 2"], "by_group_rank": ["from 1"], "gathered": [10, 20]},
+        2: {"by_global": ["from 2"], "by_group_rank": ["from 1"], "gathered": None},
+    }

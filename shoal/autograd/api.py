@@ -20,26 +20,31 @@ from types import TracebackType
 import torch
 
 from shoal.autograd import engine
-from shoal.parallel.ddp import DistributedDataParallel, register_forward_hook
+from shoal.parallel.ddp import DistributedDataParallel, register_sync_forward_hook
+from shoal.rpc.autograd_context import Context
 from shoal.rpc.autograd_contexts import contexts
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import runs_on_reader
 
-_forwarded = threading.local()  # .replicas: weak references to the DDP replicas forwarded in this thread's context
+# The DDP replicas whose forward ran in each context, in the order it ran them: weakly, by context and
+# replica, so that neither outlives its use (a context ends with its `with`, or with a worker's death).
+_forwarded: weakref.WeakKeyDictionary[Context, list[weakref.ref[DistributedDataParallel]]] = weakref.WeakKeyDictionary()
+_forwarded_lock = threading.Lock()
 
 
 def _note_forward(replica: DistributedDataParallel) -> None:
     """A DDP forward inside a context: its gradients will be in the context, so the backward reduces them."""
-    if contexts.current_context() is None:
+    context_id = contexts.current_context()
+    if context_id is None:
         return
-    if not hasattr(_forwarded, "replicas"):
-        _forwarded.replicas = []
-    replicas = _forwarded.replicas
-    if not any(ref() is replica for ref in replicas):
-        replicas.append(weakref.ref(replica))
+    context = contexts.get(context_id)
+    with _forwarded_lock:
+        replicas = _forwarded.setdefault(context, [])
+        if not any(ref() is replica for ref in replicas):
+            replicas.append(weakref.ref(replica))
 
 
-register_forward_hook(_note_forward)
+register_sync_forward_hook(_note_forward)
 
 
 class context:  # torch.distributed.autograd's name, used as `with dist_autograd.context()`
@@ -61,7 +66,6 @@ class context:  # torch.distributed.autograd's name, used as `with dist_autograd
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._serving.__exit__(exc_type, exc, tb)
-        _forwarded.replicas = []
         release(self._context.id)
 
 
@@ -85,7 +89,8 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     # Replicas of DistributedDataParallel whose forward ran for this backward average their
     # gradients here, in the context, as their hooks would in `.grad` after a local backward; every
     # rank reduces them in the order its forwards ran, which the ranks share.
-    forwarded, _forwarded.replicas = getattr(_forwarded, "replicas", []), []
+    with _forwarded_lock:
+        forwarded = _forwarded.pop(context, [])
     for replica in filter(None, (ref() for ref in forwarded)):
         if replica.awaits_reduction():
             context.set_gradients(replica.reduce_gradients(context.gradients()))

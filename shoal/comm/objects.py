@@ -40,24 +40,24 @@ def broadcast_object_list(group: ProcessGroup, object_list: list[Any], src: int,
 
 
 def all_gather_object(group: ProcessGroup, object_list: list[Any], obj: Any) -> None:
-    """`object_list[r]` becomes rank r's `obj` (group ranks), on every rank."""
-    _check_length(object_list, group, "all_gather_object", "object_list")
+    """`object_list[r]` becomes rank r's `obj` (group ranks), on every rank; the list needs an entry
+    per rank (checked after the collective, as torch does, so that no other rank is left waiting)."""
     mine, lengths = _exchange_lengths(group, obj)
     padded = [torch.empty(max(lengths), dtype=torch.uint8, device=group.device) for _ in range(group.size)]
     group.all_gather(padded, _padded(mine, max(lengths), group)).wait()
-    object_list[:] = [_unpickled(t, n) for t, n in zip(padded, lengths, strict=True)]
+    _fill(object_list, padded, lengths, group, "all_gather_object", "object_list")
 
 
 def gather_object(group: ProcessGroup, obj: Any, object_gather_list: list[Any] | None, dst: int) -> None:
-    """On `dst`, `object_gather_list[r]` becomes rank r's `obj`; other ranks pass None."""
+    """On `dst`, `object_gather_list[r]` becomes rank r's `obj`; other ranks pass None (the list is
+    checked after the collective, as in all_gather_object)."""
     is_dst = group.rank == group.group_rank(dst, "dst")
-    if is_dst:
-        _check_length(object_gather_list, group, "gather_object", "object_gather_list")
     mine, lengths = _exchange_lengths(group, obj)
-    padded = [torch.empty(max(lengths), dtype=torch.uint8, device=group.device) for _ in range(group.size)]
-    group.gather(_padded(mine, max(lengths), group), padded if is_dst else None, dst).wait()
+    padded = ([torch.empty(max(lengths), dtype=torch.uint8, device=group.device) for _ in range(group.size)]
+              if is_dst else None)
+    group.gather(_padded(mine, max(lengths), group), padded, dst).wait()
     if is_dst:
-        object_gather_list[:] = [_unpickled(t, n) for t, n in zip(padded, lengths, strict=True)]
+        _fill(object_gather_list, padded, lengths, group, "gather_object", "object_gather_list")
 
 
 def scatter_object_list(group: ProcessGroup, output_list: list[Any], input_list: list[Any] | None,
@@ -66,7 +66,7 @@ def scatter_object_list(group: ProcessGroup, output_list: list[Any], input_list:
     if not output_list:
         raise ValueError("scatter_object_list: scatter_object_output_list must have room for one object")
     is_src = group.rank == group.group_rank(src, "src")
-    if is_src:
+    if is_src:  # the others wait for this root: it can only fail before it sends
         _check_length(input_list, group, "scatter_object_list", "scatter_object_input_list")
         pieces = [_pickled(obj) for obj in input_list]
         lengths = torch.tensor([len(p) for p in pieces], dtype=torch.int64)
@@ -90,9 +90,17 @@ def _exchange_lengths(group: ProcessGroup, obj: Any) -> tuple[bytes, list[int]]:
 
 
 def _check_length(objects: list[Any] | None, group: ProcessGroup, op: str, name: str) -> None:
-    if objects is None or len(objects) != group.size:
+    if objects is None or len(objects) < group.size:
         got = None if objects is None else len(objects)
-        raise ValueError(f"{op}: {name} must hold one entry per rank of the group ({group.size}), got {got}")
+        raise ValueError(f"{op}: {name} must hold an entry per rank of the group ({group.size}), got {got}")
+
+
+def _fill(objects: list[Any] | None, padded: list[torch.Tensor], lengths: list[int], group: ProcessGroup,
+          op: str, name: str) -> None:
+    """Every rank's object into its entry of `objects` (entries past the group's size stay, as in torch)."""
+    _check_length(objects, group, op, name)
+    for rank, (tensor, nbytes) in enumerate(zip(padded, lengths, strict=True)):
+        objects[rank] = _unpickled(tensor, nbytes)
 
 
 def _pickled(obj: Any) -> bytes:

@@ -30,7 +30,8 @@ def collect_flight_records(workers: list[Worker], trace: Path) -> None:
 
 def _catches(pid: int, signum: int) -> bool:
     """Whether process `pid` has a handler for `signum` (Linux's /proc says; elsewhere: assume not). A
-    worker that has not imported shoal, or not yet, would die of SIGUSR1's default action."""
+    worker that has not joined its job yet (the handler comes with init_process_group, or with tracing) would
+    die of SIGUSR1's default action."""
     try:
         with open(f"/proc/{pid}/status") as status:
             caught = next(line.split()[1] for line in status if line.startswith("SigCgt:"))

@@ -60,7 +60,8 @@ class LiveTraining:
                  extra: Mapping[str, Any] | None = None, min_workers: int | None = None,
                  timeout: timedelta = timedelta(seconds=60), **ddp_options: Any) -> None:
         if min_workers is None:
-            min_workers = config.SHOAL_MIN_WORKERS.get() or 1
+            from_launcher = config.SHOAL_MIN_WORKERS.get()
+            min_workers = 1 if from_launcher is None else from_launcher
         launched = config.WORLD_SIZE.get()
         if not 1 <= min_workers <= (min_workers if launched is None else launched):
             raise ValueError(f"min_workers must be between 1 and the launched world size "

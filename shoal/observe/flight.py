@@ -62,7 +62,9 @@ class Entry:
 class FlightRecorder:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.rank: int | None = config.RANK.get()
+        # Our rank in the job: the default group's, once it is up; until then the launcher's RANK (read
+        # when a dump needs it, not at import, where a malformed RANK would stop every program).
+        self.rank: int | None = None
         self._entries: collections.deque[Entry] = collections.deque(maxlen=max(capacity, 1))
         self._dump_lock = threading.Lock()
 
@@ -83,13 +85,15 @@ class FlightRecorder:
         given = config.SHOAL_FLIGHT_DIR.get() or config.SHOAL_TRACE.get()
         if not self.capacity or not (given or asked):
             return None
-        rank = self.rank if self.rank is not None else "unknown"
+        rank = "unknown"
         try:
+            known = self.rank if self.rank is not None else config.RANK.get()
+            rank = "unknown" if known is None else known
             with self._dump_lock:
                 directory = Path(given) if given else Path(tempfile.gettempdir()) / "shoal-flight"
                 directory.mkdir(parents=True, exist_ok=True)
                 path = directory / f"{FILE_PREFIX}rank{rank}-pid{os.getpid()}.json"
-                record = {"rank": self.rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
+                record = {"rank": known, "pid": os.getpid(), "reason": reason, "time": time.time(),
                           "entries": [e.as_dict() for e in list(self._entries)]}
                 part = path.with_suffix(".part")
                 part.write_text(json.dumps(record, indent=1))

@@ -26,7 +26,7 @@ _FIRST_BUCKET_BYTES = 1 << 20
 _forward_hooks: list[Callable[[DistributedDataParallel], None]] = []
 
 
-def register_forward_hook(hook: Callable[[DistributedDataParallel], None]) -> None:
+def register_sync_forward_hook(hook: Callable[[DistributedDataParallel], None]) -> None:
     """Call `hook(replica)` at every forward that prepares a synchronized backward, for a layer above whose
     backward puts the gradients elsewhere than `.grad`: it must then call `replica.reduce_gradients`."""
     _forward_hooks.append(hook)

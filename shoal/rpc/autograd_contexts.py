@@ -174,11 +174,6 @@ contexts = ContextRegistry()
 
 # ---- what the agent calls with each message ----------------------------------------------------------
 
-def current_context() -> int | None:
-    """The id of the distributed autograd context the calling thread is in, if any."""
-    return contexts.current_context()
-
-
 def outgoing_tag(dst: int, payload: Encoded | None, context_id: int | None) -> AutogradTag | None:
     """The tag a message in `context_id` carries. Every such message is recorded, with or without
     tensors that require grad: its receiver joins the context (it runs the call in it, and may

@@ -118,9 +118,9 @@ class ShoalProcessGroup(ProcessGroup):
     @classmethod
     def create(cls, store: Store, rank: int, world_size: int, timeout: timedelta,
                master_host: str) -> ShoalProcessGroup:
-        """The world group: connected to every other rank (mesh.py)."""
+        """The world group: connected to every other rank (transport/bring_up.py)."""
         transport, entries = bring_up.listen(store, rank, world_size, toward=master_host, timeout=timeout,
-                                         stall_timeout=timeout)
+                                             stall_timeout=timeout)
         try:
             bring_up.connect(transport, entries, timeout)
         except BaseException:

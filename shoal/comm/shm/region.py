@@ -1,5 +1,5 @@
 """Shared memory that processes of one user on one host can map by name: the memory under shared-memory
-lanes (shm.py) and under the collectives of ranks on one host (arena.py).
+lanes (lanes.py) and under the collectives of ranks on one host (arena.py).
 
 A region is anonymous memory (memfd): it has no name in any file system, so nothing can be left
 behind when a process dies. The creator announces `pid:fd:token` over an authenticated connection;

@@ -15,7 +15,7 @@ from shoal.rpc.agent.notices import Notices
 from shoal.rpc.agent.outstanding import Call, Outstanding
 from shoal.rpc.agent.running import Runner
 from shoal.rpc.agent.wire import Wire
-from shoal.rpc.autograd_contexts import current_context
+from shoal.rpc.autograd_contexts import contexts
 from shoal.rpc.future import Future
 from shoal.rpc.headers import ForkId, FunctionRef, Kind, Mode, Request, Response, RRefId
 from shoal.rpc.message import decode, function_ref, unpack_error
@@ -55,7 +55,7 @@ class Caller:
         if dst == self._rank:  # we are the owner: held by the local RRef alone, until it is forked
             reference = self._rrefs.own_later()
             created: Future[None] = Future(run_callback=runner.run_callback)
-            tag = autograd_contexts.outgoing_tag(dst, None, current_context())  # no message: only the context
+            tag = autograd_contexts.outgoing_tag(dst, None, contexts.current_context())  # no message: only the context
             runner.run_callback(lambda: runner.create(reference.entry, ref, args, kwargs or {}, tag, created))
             return self._rrefs.make(reference, created)
         rref_id, fork_id = self._new_id(), self._new_id()
@@ -76,7 +76,7 @@ class Caller:
         # knows which call (and which remote object) to report the failure for.
         payload = self._rrefs.encode_for(dst, (tuple(args), kwargs or {}))
         header = Request(mode, function, rref_id, fork_id,
-                         autograd_contexts.outgoing_tag(dst, payload, current_context()),
+                         autograd_contexts.outgoing_tag(dst, payload, contexts.current_context()),
                          riders=self._notices.take(dst))
         msg_id = next(self._ids)
         started = events.begin()

@@ -69,7 +69,7 @@ class RpcAgent:
         # A namespace of its own: a process group may share this store (and its server).
         store = rendezvous.join(endpoint, timeout, namespace="shoal-rpc/")
         transport, entries = listen(store, rank, world_size, toward=endpoint.host, timeout=timeout,
-                                         stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,))
+                                    stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,))
         agent: RpcAgent | None = None
         try:
             store.set(f"named/{rank}", 1)
