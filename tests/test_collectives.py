@@ -9,37 +9,11 @@ import pytest
 import torch
 
 from tests.ranks import run_ranks
+from tests.reference import check, data, reference
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8]
 # 0, 1, odd, and large enough for the pipelined ring path (several chunks per segment for float64).
 SIZES = [0, 1, 1031, 700_001]
-
-
-def _data(rank: int, numel: int, dtype: torch.dtype, *, seed: int = 0, low: int = 0, high: int = 4) -> torch.Tensor:
-    """Small integers in any dtype, so that every summation order gives the same, exact result."""
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    return torch.randint(low, high, (numel,), generator=gen).to(dtype)
-
-
-def _reference(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
-    acc = tensors[0].clone()
-    for t in tensors[1:]:
-        if op in ("SUM", "AVG"):
-            acc += t
-        elif op == "PRODUCT":
-            acc *= t
-        elif op == "MIN":
-            acc = torch.minimum(acc, t)
-        else:
-            acc = torch.maximum(acc, t)
-    if op == "AVG":
-        acc = acc / len(tensors) if acc.is_floating_point() else torch.div(acc, len(tensors), rounding_mode="trunc")
-    return acc
-
-
-def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{got.shape} vs {want.dtype}"
-    assert torch.equal(got, want), f"{what}: first differences {got[got != want][:5]} vs {want[got != want][:5]}"
 
 
 def _all_reduce_cases(rank: int, world: int, backend: str) -> int:
@@ -48,16 +22,17 @@ def _all_reduce_cases(rank: int, world: int, backend: str) -> int:
     checked = 0
     for dtype in DTYPES:
         for numel in SIZES:
-            for op in ("SUM", "AVG", "PRODUCT", "MIN", "MAX"):
-                if numel == SIZES[-1] and op not in ("SUM", "AVG", "MAX"):
+            bitwise = () if dtype.is_floating_point else ("BAND", "BOR", "BXOR")
+            for op in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", *bitwise):
+                if numel == SIZES[-1] and op not in ("SUM", "AVG", "MAX", "BXOR"):
                     continue  # big tensors: one of each kind of reduction is enough
                 if backend == "gloo" and dtype in (torch.float16, torch.bfloat16) and op == "PRODUCT":
                     continue  # gloo's own limitation, not ours
                 low, high = (1, 3) if op == "PRODUCT" else (0, 4)
-                inputs = [_data(r, numel, dtype, seed=checked, low=low, high=high) for r in range(world)]
+                inputs = [data(r, numel, dtype, seed=checked, low=low, high=high) for r in range(world)]
                 tensor = inputs[rank].clone()
                 dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
-                _check(tensor, _reference(inputs, op), f"all_reduce {op} {dtype} numel={numel}")
+                check(tensor, reference(inputs, op), f"all_reduce {op} {dtype} numel={numel}")
                 checked += 1
     return checked
 
@@ -68,43 +43,43 @@ def _rooted_and_gathering_cases(rank: int, world: int) -> int:
     checked = 0
     for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
         for numel in SIZES:
-            inputs = [_data(r, numel, dtype, seed=checked) for r in range(world)]
+            inputs = [data(r, numel, dtype, seed=checked) for r in range(world)]
             for root in range(world):
                 t = inputs[rank].clone()
                 dist.broadcast(t, src=root)
-                _check(t, inputs[root], f"broadcast root={root} {dtype} numel={numel}")
+                check(t, inputs[root], f"broadcast root={root} {dtype} numel={numel}")
 
                 t = inputs[rank].clone()
                 dist.reduce(t, dst=root, op=dist.ReduceOp.SUM)
                 if rank == root:
-                    _check(t, _reference(inputs, "SUM"), f"reduce dst={root} {dtype} numel={numel}")
+                    check(t, reference(inputs, "SUM"), f"reduce dst={root} {dtype} numel={numel}")
 
                 out = [torch.empty_like(inputs[0]) for _ in range(world)] if rank == root else None
                 dist.gather(inputs[rank], out, dst=root)
                 if rank == root:
                     for r in range(world):
-                        _check(out[r], inputs[r], f"gather dst={root} from {r} {dtype} numel={numel}")
+                        check(out[r], inputs[r], f"gather dst={root} from {r} {dtype} numel={numel}")
 
                 t = torch.empty_like(inputs[0])
                 blocks = [inputs[root] + r for r in range(world)] if rank == root else None
                 dist.scatter(t, blocks, src=root)
-                _check(t, inputs[root] + rank, f"scatter src={root} {dtype} numel={numel}")
+                check(t, inputs[root] + rank, f"scatter src={root} {dtype} numel={numel}")
             outs = [torch.empty_like(inputs[0]) for _ in range(world)]
             dist.all_gather(outs, inputs[rank])
             for r in range(world):
-                _check(outs[r], inputs[r], f"all_gather block {r} {dtype} numel={numel}")
+                check(outs[r], inputs[r], f"all_gather block {r} {dtype} numel={numel}")
 
-            blocks = [_data(rank, numel, dtype, seed=checked + 7 * j) for j in range(world)]
+            blocks = [data(rank, numel, dtype, seed=checked + 7 * j) for j in range(world)]
             out = torch.empty_like(inputs[0])
             dist.reduce_scatter(out, blocks)
-            want = _reference([_data(r, numel, dtype, seed=checked + 7 * rank) for r in range(world)], "SUM")
-            _check(out, want, f"reduce_scatter {dtype} numel={numel}")
+            want = reference([data(r, numel, dtype, seed=checked + 7 * rank) for r in range(world)], "SUM")
+            check(out, want, f"reduce_scatter {dtype} numel={numel}")
 
             ins = [torch.full((rank + j,), rank * 10 + j).to(dtype) for j in range(world)]
             outs = [torch.empty(j + rank, dtype=dtype) for j in range(world)]
             dist.all_to_all(outs, ins)
             for j in range(world):
-                _check(outs[j], torch.full((j + rank,), j * 10 + rank).to(dtype), f"all_to_all from {j} {dtype}")
+                check(outs[j], torch.full((j + rank,), j * 10 + rank).to(dtype), f"all_to_all from {j} {dtype}")
             dist.barrier()
             checked += 1
     return checked
@@ -149,7 +124,7 @@ def _coalesced(rank: int, world: int) -> None:
 
     total = 2_621_443  # two and a half rounds of the shared-memory window (float32): pieces cross them
     for seed, op in enumerate(("SUM", "AVG", "MAX")):
-        inputs = [_data(r, total, torch.float32, seed=seed) for r in range(world)]
+        inputs = [data(r, total, torch.float32, seed=seed) for r in range(world)]
         whole = inputs[rank].clone()
         reduce_op = getattr(dist.ReduceOp, op)
         if rank == 0:  # the same collective as the others' coalesced calls, whatever their cuts
@@ -163,14 +138,14 @@ def _coalesced(rank: int, world: int) -> None:
             dist.all_reduce_coalesced([whole[a:b] for a, b in itertools.pairwise(bounds)] + [tail],
                                       op=reduce_op)
             whole[total - 7:] = tail
-        _check(whole, _reference(inputs, op), f"all_reduce_coalesced {op}")
-    small = [_data(r, 1000, torch.int64, seed=7) for r in range(world)]  # one round: everyone reduces all
+        check(whole, reference(inputs, op), f"all_reduce_coalesced {op}")
+    small = [data(r, 1000, torch.int64, seed=7) for r in range(world)]  # one round: everyone reduces all
     pieces = small[rank].clone()
     dist.all_reduce_coalesced([pieces[:10], pieces[10:10], pieces[10:999], pieces[999:]], op=dist.ReduceOp.AVG)
-    _check(pieces, _reference(small, "AVG"), "all_reduce_coalesced AVG int64, small")
-    shared = _data(rank, total, torch.float32, seed=8)  # twice the same memory: as if packed, each gets the sum
+    check(pieces, reference(small, "AVG"), "all_reduce_coalesced AVG int64, small")
+    shared = data(rank, total, torch.float32, seed=8)  # twice the same memory: as if packed, each gets the sum
     dist.all_reduce_coalesced([shared, shared])
-    _check(shared, _reference([_data(r, total, torch.float32, seed=8) for r in range(world)], "SUM"),
+    check(shared, reference([data(r, total, torch.float32, seed=8) for r in range(world)], "SUM"),
            "all_reduce_coalesced of one tensor twice")
     with pytest.raises(ValueError, match="must match"):
         dist.all_reduce_coalesced([torch.ones(2), torch.ones(2, dtype=torch.int64)])

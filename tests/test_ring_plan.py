@@ -25,7 +25,15 @@ Send = tuple[int, int, int, int]  # (src, dst, sub, nbytes)
 # "small" sends a few hundred bytes down the ring path, cut into chunks of a few dozen elements.
 _THRESHOLDS = {"default": (ring.SMALL_BYTES, ring.CHUNK_BYTES), "small": (256, 192)}
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
-_OPS = list(ReduceOp)
+_BITWISE = {ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor}
+
+
+def _ops_and_dtypes(dtypes: list[torch.dtype]) -> list[Any]:
+    """Every reduce op with every dtype it takes (the bitwise ones take no floating point)."""
+    return [pytest.param(op, dtype, id=f"{_dtype_id(dtype)}-{op.name}") for dtype in dtypes for op in ReduceOp
+            if not (op in _BITWISE and dtype.is_floating_point)]
+
+
 _ROOTED = [(size, root) for size in (1, 2, 3, 4) for root in range(size)]
 
 
@@ -213,6 +221,8 @@ def _reference(inputs: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
             acc = acc + other
         elif op == ReduceOp.PRODUCT:
             acc = acc * other
+        elif op in _BITWISE:
+            acc = _BITWISE[op](acc, other)
         elif op == ReduceOp.MIN:
             acc = torch.minimum(acc, other)
         else:
@@ -259,8 +269,7 @@ def _check_all_reduce(inputs: list[torch.Tensor], op: ReduceOp) -> list[Send]:
     return sends
 
 
-@pytest.mark.parametrize("op", _OPS, ids=lambda op: op.name)
-@pytest.mark.parametrize("dtype", _DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize(("op", "dtype"), _ops_and_dtypes(_DTYPES))
 @pytest.mark.parametrize("numel", [0, 1, 7, 1031])
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_all_reduce_matches_reference(monkeypatch: pytest.MonkeyPatch, size: int, numel: int, dtype: torch.dtype,
@@ -269,8 +278,7 @@ def test_all_reduce_matches_reference(monkeypatch: pytest.MonkeyPatch, size: int
     _check_all_reduce(_inputs(size, numel, dtype, op, seed=1000 * size + numel), op)
 
 
-@pytest.mark.parametrize("op", _OPS, ids=lambda op: op.name)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.int64], ids=_dtype_id)
+@pytest.mark.parametrize(("op", "dtype"), _ops_and_dtypes([torch.float32, torch.int64]))
 @pytest.mark.parametrize("numel", [1, 2, 5])
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_all_reduce_ring_with_empty_segments(monkeypatch: pytest.MonkeyPatch, size: int, numel: int,

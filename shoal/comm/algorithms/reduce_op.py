@@ -15,6 +15,9 @@ class ReduceOp(enum.IntEnum):
     PRODUCT = 2
     MIN = 3
     MAX = 4
+    BAND = 5  # the bitwise ones take integer and bool tensors only, as torch's gloo does
+    BOR = 6
+    BXOR = 7
 
 
 def combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
@@ -27,12 +30,15 @@ def combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
         torch.minimum(acc, other, out=acc)
     elif op == ReduceOp.MAX:
         torch.maximum(acc, other, out=acc)
+    elif op in _OUT_OF_PLACE:
+        _OUT_OF_PLACE[op](acc, other, out=acc)
     else:
         raise ValueError(f"unknown reduce op {op!r}")
 
 
 _OUT_OF_PLACE = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
-                 ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum}
+                 ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum, ReduceOp.BAND: torch.bitwise_and,
+                 ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor}
 
 
 def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: ReduceOp) -> None:

@@ -42,6 +42,9 @@ _TORCH_OPS = {
     ReduceOp.PRODUCT: tdist.ReduceOp.PRODUCT,
     ReduceOp.MIN: tdist.ReduceOp.MIN,
     ReduceOp.MAX: tdist.ReduceOp.MAX,
+    ReduceOp.BAND: tdist.ReduceOp.BAND,
+    ReduceOp.BOR: tdist.ReduceOp.BOR,
+    ReduceOp.BXOR: tdist.ReduceOp.BXOR,
 }
 _PEER_LOST_HINTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 # A Gloo worker thread drops its reference to an operation just after completing it. If that is the last

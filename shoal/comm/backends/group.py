@@ -51,7 +51,7 @@ class ProcessGroup(abc.ABC):
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = True) -> Work:
         _check_tensor(tensor, "all_reduce")
-        return self._start_all_reduce(tensor, _check_op(op), blocking=not async_op)
+        return self._start_all_reduce(tensor, _check_op(op, tensor.dtype, "all_reduce"), blocking=not async_op)
 
     def all_reduce_coalesced(self, tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
                              async_op: bool = True) -> Work:
@@ -64,7 +64,8 @@ class ProcessGroup(abc.ABC):
             if t.dtype != tensors[0].dtype or t.device != tensors[0].device:
                 raise ValueError(f"all_reduce_coalesced: tensors[{i}] is {t.dtype} on {t.device} but tensors[0] "
                                  f"is {tensors[0].dtype} on {tensors[0].device}; they must match")
-        return self._start_all_reduce_coalesced(list(tensors), _check_op(op), blocking=not async_op)
+        return self._start_all_reduce_coalesced(list(tensors), _check_op(op, tensors[0].dtype, "all_reduce_coalesced"),
+                                                blocking=not async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = True) -> Work:
         _check_tensor(tensor, "broadcast")
@@ -72,7 +73,8 @@ class ProcessGroup(abc.ABC):
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = True) -> Work:
         _check_tensor(tensor, "reduce")
-        return self._start_reduce(tensor, self.group_rank(dst, "dst"), _check_op(op), blocking=not async_op)
+        return self._start_reduce(tensor, self.group_rank(dst, "dst"), _check_op(op, tensor.dtype, "reduce"),
+                                  blocking=not async_op)
 
     def all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor, *, async_op: bool = True) -> Work:
         _check_tensor(tensor, "all_gather")
@@ -97,7 +99,7 @@ class ProcessGroup(abc.ABC):
                        async_op: bool = True) -> Work:
         _check_tensor(out, "reduce_scatter")
         self._check_list(ins, "reduce_scatter", "input_list", like=out)
-        return self._start_reduce_scatter(out, ins, _check_op(op), blocking=not async_op)
+        return self._start_reduce_scatter(out, ins, _check_op(op, out.dtype, "reduce_scatter"), blocking=not async_op)
 
     def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], *, async_op: bool = True) -> Work:
         self._check_list(outs, "all_to_all", "output_tensor_list")
@@ -197,11 +199,17 @@ def _check_tensor(tensor: object, fn: str) -> None:
         raise TypeError(f"{fn}: sparse tensors are not supported; call .to_dense() first")
 
 
-def _check_op(op: object) -> ReduceOp:
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+
+def _check_op(op: object, dtype: torch.dtype, fn: str) -> ReduceOp:
     try:
-        return ReduceOp(op)
+        op = ReduceOp(op)
     except ValueError:
         raise ValueError(f"unknown reduce op {op!r}; use one of {[o.name for o in ReduceOp]}") from None
+    if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"{fn}: {op.name} takes integer or bool tensors, got {dtype}")
+    return op
 
 
 def _check_tag(tag: int) -> int:
