@@ -356,7 +356,12 @@ class ShoalProcessGroup(ProcessGroup):
         group_id = self._next_group_id()  # drawn on every rank, members or not, to stay in step
         if self.transport.rank not in ranks:
             return None
-        return ShoalProcessGroup(self.transport, ranks, group_id, self.timeout, self._next_group_id)
+        return self.subgroup(ranks, group_id, self.timeout)
+
+    def subgroup(self, ranks: Sequence[int], group_id: int, timeout: timedelta) -> ShoalProcessGroup:
+        """A group of the given global ranks (ours among them) over this group's transport, whose frames
+        carry `group_id`: every member must pass the same one, and no other group of theirs may use it."""
+        return ShoalProcessGroup(self.transport, ranks, group_id, timeout, self._next_group_id)
 
     def shutdown(self) -> None:
         self._queue.close(self.timeout)

@@ -31,6 +31,7 @@ class Work:
         self.flight: Entry | None = None
         self._started: events.Started | None = None
         self._span_args: dict[str, Any] = {}
+        self._callbacks: list[Callable[[BaseException | None], None]] = []
 
     def running(self, span_args: dict[str, Any]) -> events.Started | None:
         """The operation has started to run: its flight entry says so and its span begins, described by
@@ -68,6 +69,15 @@ class Work:
     def exception(self) -> BaseException | None:
         return self._error
 
+    def add_done_callback(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call `callback(error)` once the operation is done (at once, here, if it is): on the thread that
+        finishes it, so the callback must not wait for another operation of the same group."""
+        with self._claim:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self._error)
+
     def finish(self, error: BaseException | None = None) -> None:
         """Mark the operation done (by the backend); the first outcome wins."""
         with self._claim:
@@ -84,6 +94,10 @@ class Work:
         finally:  # whatever observing it did, the operation is done
             self._error = error
             self._event.set()
+            with self._claim:
+                callbacks, self._callbacks = self._callbacks, []
+            for callback in callbacks:
+                callback(error)
         if isinstance(error, TimeoutError):
             recorder.dump(f"{self.name}: {error}")
 
