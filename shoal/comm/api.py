@@ -10,17 +10,20 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 
 from shoal import config
-from shoal.comm import clock, objects, rendezvous
+from shoal.comm import objects, observing, rendezvous
 from shoal.comm.algorithms.reduce_op import ReduceOp
+from shoal.comm.as_torch import TorchGroup
+from shoal.comm.as_torch import world as torch_world
 from shoal.comm.backends.group import DEFAULT_TIMEOUT, ProcessGroup
 from shoal.comm.backends.registry import check_backend, world_group
 from shoal.comm.backends.work import Work
-from shoal.observe import events, flight, timeline
-from shoal.observe.flight import recorder
+from shoal.observe import timeline
 
 _world: ProcessGroup | None = None
+_borrowed = False  # _world is the world torch's init_process_group("shoal") brought up
 _subgroups: list[ProcessGroup] = []
 
 
@@ -36,36 +39,28 @@ def init_process_group(backend: str = "shoal", init_method: str = "env://", rank
     `timeout` bounds the rendezvous and every later operation (SHOAL_TIMEOUT_S overrides it). Where
     SHOAL_TRACE names a directory (`shoal run --trace DIR`), this process's timeline starts here.
     """
-    global _world
+    global _world, _borrowed
     if _world is not None:
         raise RuntimeError("the default process group is already initialized; call destroy_process_group() first")
     check_backend(backend)
+    if backend == "shoal" and torch_world.shared() is not None:
+        _world, _borrowed = torch_world.shared(), True  # torch's init_process_group("shoal") brought it up
+        return
     timeout = _timeout_from_env(timeout)
     timeline.start_from_environment()
     endpoint = rendezvous.resolve(init_method, rank, world_size)
     store = rendezvous.join(endpoint, timeout)
     _world = world_group(backend, store, endpoint.rank, endpoint.world_size, timeout, endpoint.host)
     _world.store = store
-    _observe(_world)
-
-
-def _observe(world: ProcessGroup) -> None:
-    """Name this process's rank to the flight recorder and the timeline, dump on SIGUSR1, and, where
-    every rank traces, line the traces up with rank 0's clock (NCCL groups: not measured)."""
-    recorder.rank = world.ranks[world.rank]
-    flight.dump_on_sigusr1()
-    if world.backend == "nccl":  # its tensors must be on the rank's GPU, which it may not have chosen yet
-        events.describe_process(rank=recorder.rank)
-        return
-    tracing = torch.tensor([1 if events.active() else 0], dtype=torch.int32)
-    world.all_reduce(tracing, ReduceOp.MIN).wait()
-    offset = clock.offset_to_rank0(world) if tracing.item() else None
-    events.describe_process(rank=recorder.rank, clock_offset_ns=offset)
+    observing.observe(_world)
+    if backend == "shoal":
+        torch_world.share(_world, store)
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
-    """Destroy one subgroup, or (no argument) every group of this process."""
-    global _world
+    """Destroy one subgroup, or (no argument) every group of this process (and torch's default group, where
+    shoal's init gave torch one)."""
+    global _world, _borrowed
     if group is not None and group is not _world:
         group.shutdown()
         if group in _subgroups:
@@ -76,20 +71,32 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     _subgroups.clear()
     if _world is not None:
         world, _world = _world, None
+        if _borrowed:
+            _borrowed = False  # torch's destroy_process_group takes it down
+            return
+        if world.backend == "shoal":
+            torch_world.unshare(world)
         world.shutdown()
 
 
 def is_initialized() -> bool:
-    return _world is not None
+    return _world is not None or torch_world.shared() is not None
 
 
-def _group(group: ProcessGroup | None) -> ProcessGroup:
+def _group(group: ProcessGroup | tdist.ProcessGroup | None) -> ProcessGroup:
+    """The shoal group a call runs on: the one given (a group torch made on backend "shoal" is one), else
+    the default group, which torch's init_process_group("shoal") may have brought up."""
+    if isinstance(group, TorchGroup):
+        return group.shoal_group
+    if isinstance(group, tdist.ProcessGroup):
+        raise TypeError(f"this group is torch's, on backend {group.name()!r}: shoal's functions take groups of "
+                        f"backend 'shoal' (shoal's own, or torch's made with init_process_group('shoal'))")
     if group is not None:
         return group
-    if _world is None:
+    if _world is None and torch_world.shared() is None:
         raise RuntimeError("the default process group is not initialized; call shoal.distributed."
                            "init_process_group() first")
-    return _world
+    return _world if _world is not None else torch_world.shared()
 
 
 def default_group() -> ProcessGroup:
