@@ -247,7 +247,8 @@ def reduce_scatter(ch: Channel, out: torch.Tensor, blocks: list[torch.Tensor], o
 def all_gather(ch: Channel, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
     """Ring all-gather in chunks: step s passes block (rank-s) on to the right."""
     n, me = ch.size, ch.rank
-    outs[me].copy_(mine)
+    if outs[me].data_ptr() != mine.data_ptr():  # FSDP2 gathers from its place in the output itself
+        outs[me].copy_(mine)
     if n == 1:
         return
     whole = torch.empty(0, dtype=mine.dtype)  # only the chunk geometry is needed from the layout
