@@ -57,10 +57,17 @@ def _reductions(rank: int, world: int) -> int:
             out = torch.empty(numel, dtype=dtype)
             tdist.reduce_scatter(out, list(inputs[rank].chunk(world)) if numel else [out.clone()] * world)
             check(out, want, f"reduce_scatter {dtype} numel={numel}")
-    # PREMUL_SUM: each input scaled by the factor, then summed
+    # PREMUL_SUM: the sum of the inputs, scaled by the factor, on every reducing op
+    premul, scaled = tdist._make_nccl_premul_sum(0.5), 0.5 * sum(range(1, world + 1))
     tensor = torch.full((5,), float(rank + 1))
-    tdist.all_reduce(tensor, op=tdist._make_nccl_premul_sum(0.5))
-    check(tensor, torch.full((5,), 0.5 * sum(range(1, world + 1))), "all_reduce PREMUL_SUM")
+    tdist.all_reduce(tensor, op=premul)
+    check(tensor, torch.full((5,), scaled), "all_reduce PREMUL_SUM")
+    tensor = torch.full((5,), float(rank + 1))
+    tdist.reduce(tensor, dst=world - 1, op=premul)
+    check(tensor, torch.full((5,), scaled if rank == world - 1 else float(rank + 1)), "reduce PREMUL_SUM")
+    out = torch.empty(3)
+    tdist.reduce_scatter_tensor(out, torch.full((3 * world,), float(rank + 1)), op=premul)
+    check(out, torch.full((3,), scaled), "reduce_scatter_tensor PREMUL_SUM")
     tensors = [torch.full((3,), float(rank)), torch.full((2,), 2.0 * rank)]
     tdist.all_reduce_coalesced(tensors)
     total = float(sum(range(world)))
@@ -110,6 +117,30 @@ def _movement(rank: int, world: int) -> int:
         tdist.all_to_all(outs, list(ins.split(sends)))
         check(torch.cat(outs), want, f"all_to_all {dtype}")
     return checked
+
+
+def _functional_and_coalesced(rank: int, world: int) -> None:
+    """The C++ callers (torch's functional collectives, as DTensor uses them) and the coalesced forms."""
+    import torch.distributed as tdist
+    import torch.distributed._functional_collectives as funcol
+
+    everyone = tdist.group.WORLD
+    mine = [torch.full((2,), float(rank)), torch.full((3,), 10.0 * rank)]
+    gathered = funcol.all_gather_into_tensor_coalesced(mine, everyone)
+    check(gathered[0], torch.cat([torch.full((2,), float(r)) for r in range(world)]), "all_gather coalesced [0]")
+    check(gathered[1], torch.cat([torch.full((3,), 10.0 * r) for r in range(world)]), "all_gather coalesced [1]")
+    blocks = [torch.arange(2.0 * world) + rank, torch.ones(world, dtype=torch.float64)]
+    reduced = funcol.reduce_scatter_tensor_coalesced(blocks, "sum", [0, 0], everyone)
+    check(reduced[0], torch.tensor([2.0 * rank, 2.0 * rank + 1]) * world + sum(range(world)),
+          "reduce_scatter_tensor_coalesced")
+    check(reduced[1], torch.full((1,), float(world), dtype=torch.float64), "reduce_scatter_tensor_coalesced f64")
+    check(funcol.all_reduce(torch.full((2,), 1.0), "sum", everyone), torch.full((2,), float(world)),
+          "functional all_reduce")
+    check(funcol.all_to_all_single(torch.arange(world * 1.0) + 10 * rank, None, None, everyone),
+          torch.tensor([10.0 * r + rank for r in range(world)]), "functional all_to_all_single")
+    lists = [[torch.empty(2) for _ in range(world)]]
+    tdist.all_gather_coalesced(lists, [torch.full((2,), float(rank))])
+    check(torch.cat(lists[0]), torch.cat([torch.full((2,), float(r)) for r in range(world)]), "all_gather_coalesced")
 
 
 def _point_to_point_and_work(rank: int, world: int) -> dict:
@@ -173,6 +204,7 @@ def _everything(rank: int, world: int, port: int) -> dict:
 
     _init(rank, world, port)
     try:
+        _functional_and_coalesced(rank, world)
         out = {"reductions": _reductions(rank, world), "movement": _movement(rank, world),
                "p2p": _point_to_point_and_work(rank, world), "subgroups": _subgroups(rank, world)}
     finally:

@@ -5,6 +5,8 @@ ends torch's waiting operation with torch's error; torch's groups and shoal's sh
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +16,8 @@ import torch
 import torch.nn as nn
 
 from tests.ranks import run_ranks
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 def _init(backend: str, rank: int, world: int, port: int) -> None:
@@ -172,7 +176,10 @@ def _loses_a_peer(rank: int, world: int, port: int) -> str:
         while True:  # until the loss is seen: an op may complete before rank 1 is gone
             tdist.all_reduce(torch.ones(4))
     except tdist.DistBackendError as exc:
-        return f"{type(exc.__cause__).__name__}: {exc}"
+        seen = f"{type(exc.__cause__).__name__}: {exc}"
+    with pytest.raises(tdist.DistBackendError, match="failed earlier"):  # a broken group refuses at once
+        tdist.all_reduce(torch.ones(4), async_op=True).get_future().wait()
+    return seen
 
 
 def test_a_lost_peer_ends_torchs_waiting_op_with_dist_backend_error_naming_it() -> None:
@@ -196,6 +203,14 @@ def _one_world(rank: int, world: int, port: int, ports: list[int]) -> dict:
     tensor = torch.full((2,), float(rank + 1))
     dist.all_reduce(tensor, group=mesh.get_group())
     seen["shoal_on_torch_group"] = tensor[0].item()
+    tail = tdist.new_group(list(range(1, world)))  # a subgroup of the world's connections, rank 0 outside
+    if rank > 0:
+        tensor = torch.full((2,), float(rank))
+        dist.all_reduce(tensor, group=tail)
+        seen["shoal_on_torch_subgroup"] = tensor[0].item()
+        dist.destroy_process_group(tail)  # torch's registry lets go of it too
+        with pytest.raises(ValueError, match="Invalid process group"):
+            tdist.destroy_process_group(tail)
     tensor = torch.ones(2)
     tdist.all_reduce(tensor)
     seen["torch_on_shoal_world"] = tensor[0].item()
@@ -210,7 +225,9 @@ def _one_world(rank: int, world: int, port: int, ports: list[int]) -> dict:
     dist.destroy_process_group()
     tdist.all_reduce(tensor)  # torch's group outlives shoal's destroy
     seen["torch_after_shoal_destroy"] = tensor[0].item()
-    tdist.destroy_process_group()
+    dist.init_process_group("shoal", "tcp://127.0.0.1:1", rank=rank, world_size=world)
+    tdist.destroy_process_group()  # torch's destroy, first, ends the world shoal shared
+    seen["shoal_left_initialized"] = dist.is_initialized()
     # a script that initializes torch itself after shoal's init takes back the default group shoal lent
     dist.init_process_group("shoal", f"tcp://127.0.0.1:{later_port}", rank=rank, world_size=world)
     tdist.init_process_group("gloo", f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=world)
@@ -228,8 +245,21 @@ def _one_world(rank: int, world: int, port: int, ports: list[int]) -> dict:
 def test_torch_and_shoal_share_one_world_either_way() -> None:
     from shoal.ports import free_port
 
-    out = run_ranks(_one_world, 2, [free_port() for _ in range(3)], backend=None, timeout=60)
-    for rank in range(2):
-        assert out[rank] == {"torch_backend": "shoal", "shoal_on_torch_group": 3.0, "torch_on_shoal_world": 2.0,
-                             "torch_left_initialized": False, "shoal_on_torch_world": 2.0,
-                             "torch_after_shoal_destroy": 4.0, "torch_own_backend": "gloo", "both_after": 16.0}
+    out = run_ranks(_one_world, 3, [free_port() for _ in range(3)], backend=None, timeout=90)
+    for rank in range(3):
+        assert out[rank] == {"torch_backend": "shoal", "shoal_on_torch_group": 6.0, "torch_on_shoal_world": 3.0,
+                             **({"shoal_on_torch_subgroup": 3.0} if rank else {}),
+                             "torch_left_initialized": False, "shoal_on_torch_world": 3.0,
+                             "torch_after_shoal_destroy": 9.0, "shoal_left_initialized": False,
+                             "torch_own_backend": "gloo", "both_after": 81.0}
+
+
+@pytest.mark.parametrize("launcher", ["shoal.run", "torch.distributed.run"])
+def test_a_torch_program_on_backend_shoal_runs_under_either_launcher(launcher: str) -> None:
+    from shoal.ports import free_port
+
+    result = subprocess.run([sys.executable, "-m", launcher, "--nproc-per-node", "2", "--master-port", str(free_port()),
+                             str(SCRIPTS / "torch_on_shoal_env.py")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    # the bias's gradient: 2 samples on each rank, averaged over the ranks
+    assert result.stdout.count("backend shoal sum 3 grad 2") == 2, result.stdout

@@ -22,8 +22,7 @@ from shoal.comm.backends.registry import check_backend, world_group
 from shoal.comm.backends.work import Work
 from shoal.observe import timeline
 
-_world: ProcessGroup | None = None
-_borrowed = False  # _world is the world torch's init_process_group("shoal") brought up
+_world: ProcessGroup | None = None  # what shoal's init made (a world torch's init made is torch_world.shared())
 _subgroups: list[ProcessGroup] = []
 
 
@@ -39,13 +38,12 @@ def init_process_group(backend: str = "shoal", init_method: str = "env://", rank
     `timeout` bounds the rendezvous and every later operation (SHOAL_TIMEOUT_S overrides it). Where
     SHOAL_TRACE names a directory (`shoal run --trace DIR`), this process's timeline starts here.
     """
-    global _world, _borrowed
+    global _world
     if _world is not None:
         raise RuntimeError("the default process group is already initialized; call destroy_process_group() first")
     check_backend(backend)
     if backend == "shoal" and torch_world.shared() is not None:
-        _world, _borrowed = torch_world.shared(), True  # torch's init_process_group("shoal") brought it up
-        return
+        return  # torch's init_process_group("shoal") brought the world up: shoal's calls use it, torch ends it
     timeout = _timeout_from_env(timeout)
     timeline.start_from_environment()
     endpoint = rendezvous.resolve(init_method, rank, world_size)
@@ -57,10 +55,13 @@ def init_process_group(backend: str = "shoal", init_method: str = "env://", rank
         torch_world.share(_world, store)
 
 
-def destroy_process_group(group: ProcessGroup | None = None) -> None:
+def destroy_process_group(group: ProcessGroup | TorchGroup | None = None) -> None:
     """Destroy one subgroup, or (no argument) every group of this process (and torch's default group, where
     shoal's init gave torch one)."""
-    global _world, _borrowed
+    global _world
+    if isinstance(group, TorchGroup):
+        tdist.destroy_process_group(group)  # torch's own registry lets go of it too
+        return
     if group is not None and group is not _world:
         group.shutdown()
         if group in _subgroups:
@@ -71,11 +72,8 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     _subgroups.clear()
     if _world is not None:
         world, _world = _world, None
-        if _borrowed:
-            _borrowed = False  # torch's destroy_process_group takes it down
-            return
         if world.backend == "shoal":
-            torch_world.unshare(world)
+            torch_world.unshare()
         world.shutdown()
 
 

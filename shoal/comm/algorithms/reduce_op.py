@@ -20,30 +20,20 @@ class ReduceOp(enum.IntEnum):
     BXOR = 7
 
 
+# Each operator as an elementwise torch function (AVG sums; `finish_` divides once at the end).
+_ELEMENTWISE = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
+                ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum, ReduceOp.BAND: torch.bitwise_and,
+                ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor}
+
+
 def combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
-    """acc <- acc (op) other, elementwise and in place (AVG sums; `finish_` divides once at the end)."""
-    if op in (ReduceOp.SUM, ReduceOp.AVG):
-        acc.add_(other)
-    elif op == ReduceOp.PRODUCT:
-        acc.mul_(other)
-    elif op == ReduceOp.MIN:
-        torch.minimum(acc, other, out=acc)
-    elif op == ReduceOp.MAX:
-        torch.maximum(acc, other, out=acc)
-    elif op in _OUT_OF_PLACE:
-        _OUT_OF_PLACE[op](acc, other, out=acc)
-    else:
-        raise ValueError(f"unknown reduce op {op!r}")
-
-
-_OUT_OF_PLACE = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
-                 ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum, ReduceOp.BAND: torch.bitwise_and,
-                 ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor}
+    """acc <- acc (op) other, elementwise and in place."""
+    _ELEMENTWISE[op](acc, other, out=acc)
 
 
 def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: ReduceOp) -> None:
     """out <- parts[0] (op) parts[1] (op) ..., in that order (AVG sums); one pass for the first two."""
-    _OUT_OF_PLACE[op](parts[0], parts[1], out=out)
+    _ELEMENTWISE[op](parts[0], parts[1], out=out)
     for part in parts[2:]:
         combine_(out, part, op)
 

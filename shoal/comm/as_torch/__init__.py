@@ -3,7 +3,7 @@ DTensor, tensor parallelism, functional collectives) run on. `import shoal` regi
 group.py answers torch's calls with shoal's collectives, and work.py hands back torch's Work."""
 
 from shoal.comm.as_torch.group import TorchGroup
-from shoal.comm.as_torch.work import TorchWork, backend_error
+from shoal.comm.as_torch.work import TorchWork
 from shoal.comm.as_torch.world import BACKEND, register
 
-__all__ = ["BACKEND", "TorchGroup", "TorchWork", "backend_error", "register"]
+__all__ = ["BACKEND", "TorchGroup", "TorchWork", "register"]

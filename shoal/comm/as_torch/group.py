@@ -31,7 +31,7 @@ def _one(tensors: list[torch.Tensor], fn: str) -> torch.Tensor:
 
 
 def _rows(tensor: torch.Tensor, parts: int, fn: str) -> list[torch.Tensor]:
-    """`tensor` cut along its first dimension into `parts` equal views, for the *_single collectives."""
+    """`tensor`, flat, cut into `parts` equal views, for the *_single collectives."""
     if not tensor.is_contiguous():
         raise ValueError(f"{fn}: the tensor must be contiguous")
     if tensor.numel() % parts:
@@ -40,15 +40,18 @@ def _rows(tensor: torch.Tensor, parts: int, fn: str) -> list[torch.Tensor]:
 
 
 def _split(tensor: torch.Tensor, sizes: list[int], parts: int, fn: str) -> list[torch.Tensor]:
-    """`tensor` cut along its first dimension into `sizes` rows each (equal parts where none are given)."""
+    """Contiguous `tensor` cut along its first dimension into `sizes` rows each (equal parts where none
+    are given), as torch's all_to_all_single cuts it."""
+    rows = tensor.shape[0] if tensor.dim() else 1
     if not sizes:
-        return _rows(tensor, parts, fn)
-    if len(sizes) != parts or sum(sizes) != tensor.shape[0]:
+        if rows % parts:
+            raise ValueError(f"{fn}: a first dimension of {rows} does not split into {parts} equal parts")
+        sizes = [rows // parts] * parts
+    if len(sizes) != parts or sum(sizes) != rows:
         raise ValueError(f"{fn}: split sizes {list(sizes)} must give one count per rank ({parts}) and add up "
-                         f"to the tensor's first dimension ({tensor.shape[0]})")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{fn}: the tensor must be contiguous")
-    return list(tensor.split(list(sizes)))
+                         f"to the tensor's first dimension ({rows})")
+    per_row = tensor.numel() // rows if rows else 0
+    return list(tensor.reshape(rows, per_row).split(list(sizes)))
 
 
 class TorchGroup(tdist.ProcessGroup):
@@ -94,56 +97,60 @@ class TorchGroup(tdist.ProcessGroup):
     def _global(self, group_rank: int) -> int:
         return self.shoal_group.ranks[group_rank]
 
-    def _reduce_op(self, opts_op: TorchReduceOp, inputs: list[torch.Tensor], fn: str,
-                   in_place: bool) -> tuple[ReduceOp, list[torch.Tensor]]:
-        """shoal's operator for torch's, and the inputs to reduce: PREMUL_SUM is a SUM of inputs scaled by
-        its factor first (copies, unless the op works in place on them anyway)."""
+    @staticmethod
+    def _reduce_op(opts_op: TorchReduceOp, fn: str) -> tuple[ReduceOp, float | torch.Tensor | None]:
+        """shoal's operator for torch's, and the factor PREMUL_SUM scales the sum by (None for the others)."""
         if opts_op.op == TorchReduceOp.PREMUL_SUM:
-            factor = opts_op.factor
-            if in_place:
-                for t in inputs:
-                    t.mul_(factor)
-                return ReduceOp.SUM, inputs
-            return ReduceOp.SUM, [t * factor for t in inputs]
+            return ReduceOp.SUM, opts_op.factor
         try:
-            return _REDUCE_OPS[opts_op.op], inputs
+            return _REDUCE_OPS[opts_op.op], None
         except KeyError:
             raise ValueError(f"{fn}: reduce op {opts_op.op} is not supported by the shoal backend") from None
 
     @staticmethod
-    def _work(work: Work, result: list[torch.Tensor]) -> TorchWork:
-        return TorchWork(work, result)
+    def _scaled(outputs: list[torch.Tensor], factor: float | torch.Tensor | None) -> Callable[[], None] | None:
+        """PREMUL_SUM's last step: the sum times the factor, in the outputs (a TorchWork's `then`)."""
+        if factor is None:
+            return None
+        return lambda: [out.mul_(factor) for out in outputs]
 
-    # ---- collectives -------------------------------------------------------------------------
+    def _reducing(self, outputs: list[torch.Tensor], opts, fn: str, start: Callable[[ReduceOp], Work]) -> TorchWork:
+        op, factor = self._reduce_op(opts.reduceOp, fn)
+        return TorchWork(start(op), outputs, then=self._scaled(outputs, factor))
+
+    # ---- collectives (`asyncOp` false: the caller waits at once, so shoal may run the op on its thread) ----
 
     def allreduce(self, tensors, opts=None):
-        tensor = _one(tensors, "allreduce")
-        op, _ = self._reduce_op((opts or tdist.AllreduceOptions()).reduceOp, [tensor], "allreduce", in_place=True)
-        return self._work(self.shoal_group.all_reduce(tensor, op), [tensor])
+        opts, tensor = opts or tdist.AllreduceOptions(), _one(tensors, "allreduce")
+        return self._reducing([tensor], opts, "allreduce",
+                              lambda op: self.shoal_group.all_reduce(tensor, op, async_op=opts.asyncOp))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        op, _ = self._reduce_op((opts or tdist.AllreduceCoalescedOptions()).reduceOp, tensors,
-                                "allreduce_coalesced", in_place=True)
-        return self._work(self.shoal_group.all_reduce_coalesced(list(tensors), op), list(tensors))
+        opts, tensors = opts or tdist.AllreduceCoalescedOptions(), list(tensors)
+        return self._reducing(tensors, opts, "allreduce_coalesced",
+                              lambda op: self.shoal_group.all_reduce_coalesced(tensors, op, async_op=opts.asyncOp))
 
     def broadcast(self, tensors, opts=None):
-        tensor = _one(tensors, "broadcast")
-        root = (opts or tdist.BroadcastOptions()).rootRank
-        return self._work(self.shoal_group.broadcast(tensor, self._global(root)), [tensor])
+        opts, tensor = opts or tdist.BroadcastOptions(), _one(tensors, "broadcast")
+        return TorchWork(self.shoal_group.broadcast(tensor, self._global(opts.rootRank), async_op=opts.asyncOp),
+                         [tensor])
 
     def reduce(self, tensors, opts=None):
-        opts = opts or tdist.ReduceOptions()
-        tensor = _one(tensors, "reduce")
-        op, _ = self._reduce_op(opts.reduceOp, [tensor], "reduce", in_place=True)
-        return self._work(self.shoal_group.reduce(tensor, self._global(opts.rootRank), op), [tensor])
+        opts, tensor = opts or tdist.ReduceOptions(), _one(tensors, "reduce")
+        root = self._global(opts.rootRank)
+        reduced = [tensor] if self.shoal_group.rank == opts.rootRank else []  # the other ranks' are left as given
+        return self._reducing(reduced, opts, "reduce",
+                              lambda op: self.shoal_group.reduce(tensor, root, op, async_op=opts.asyncOp))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        outs, tensor = _one(output_tensors, "allgather"), _one(input_tensors, "allgather")
-        return self._work(self.shoal_group.all_gather(list(outs), tensor), list(outs))
+        opts = opts or tdist.AllgatherOptions()
+        outs, tensor = list(_one(output_tensors, "allgather")), _one(input_tensors, "allgather")
+        return TorchWork(self.shoal_group.all_gather(outs, tensor, async_op=opts.asyncOp), outs)
 
     def all_gather_single(self, output, input, opts=None):
+        opts = opts or tdist.AllgatherOptions()
         outs = _rows(output, self.shoal_group.size, "all_gather_into_tensor")
-        return self._work(self.shoal_group.all_gather(outs, input), [output])
+        return TorchWork(self.shoal_group.all_gather(outs, input, async_op=opts.asyncOp), [output])
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         parts = [self.shoal_group.all_gather(list(outs), tensor)
@@ -157,63 +164,65 @@ class TorchGroup(tdist.ProcessGroup):
         return self._coalesced("all_gather_into_tensor_coalesced", parts, list(outputs))
 
     def gather(self, output_tensors, input_tensors, opts=None):
-        root = (opts or tdist.GatherOptions()).rootRank
-        tensor = _one(input_tensors, "gather")
-        outs = list(_one(output_tensors, "gather")) if self.shoal_group.rank == root else None
-        return self._work(self.shoal_group.gather(tensor, outs, self._global(root)), outs or [])
+        opts, tensor = opts or tdist.GatherOptions(), _one(input_tensors, "gather")
+        outs = list(_one(output_tensors, "gather")) if self.shoal_group.rank == opts.rootRank else None
+        return TorchWork(self.shoal_group.gather(tensor, outs, self._global(opts.rootRank), async_op=opts.asyncOp),
+                         outs or [])
 
     def scatter(self, output_tensors, input_tensors, opts=None):
-        root = (opts or tdist.ScatterOptions()).rootRank
-        tensor = _one(output_tensors, "scatter")
-        ins = list(_one(input_tensors, "scatter")) if self.shoal_group.rank == root else None
-        return self._work(self.shoal_group.scatter(tensor, ins, self._global(root)), [tensor])
+        opts, tensor = opts or tdist.ScatterOptions(), _one(output_tensors, "scatter")
+        ins = list(_one(input_tensors, "scatter")) if self.shoal_group.rank == opts.rootRank else None
+        return TorchWork(self.shoal_group.scatter(tensor, ins, self._global(opts.rootRank), async_op=opts.asyncOp),
+                         [tensor])
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        opts = opts or tdist.ReduceScatterOptions()
         out, ins = _one(output_tensors, "reduce_scatter"), list(_one(input_lists, "reduce_scatter"))
-        op, ins = self._reduce_op((opts or tdist.ReduceScatterOptions()).reduceOp, ins, "reduce_scatter",
-                                  in_place=False)
-        return self._work(self.shoal_group.reduce_scatter(out, ins, op), [out])
+        return self._reducing([out], opts, "reduce_scatter",
+                              lambda op: self.shoal_group.reduce_scatter(out, ins, op, async_op=opts.asyncOp))
 
     def reduce_scatter_single(self, output, input, opts=None):
-        work = self._reduce_scatter_one(output, input, opts or tdist.ReduceScatterOptions(), "reduce_scatter_tensor")
-        return self._work(work, [output])
+        opts = opts or tdist.ReduceScatterOptions()
+        ins = _rows(input.contiguous(), self.shoal_group.size, "reduce_scatter_tensor")
+        return self._reducing([output], opts, "reduce_scatter_tensor",
+                              lambda op: self.shoal_group.reduce_scatter(output, ins, op, async_op=opts.asyncOp))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        opts = opts or tdist.ReduceScatterOptions()
-        parts = [self._reduce_scatter_one(out, tensor, opts, "reduce_scatter_tensor_coalesced")
+        opts, size = opts or tdist.ReduceScatterOptions(), self.shoal_group.size
+        op, factor = self._reduce_op(opts.reduceOp, "reduce_scatter_tensor_coalesced")
+        parts = [self.shoal_group.reduce_scatter(out, _rows(tensor.contiguous(), size, "reduce_scatter_tensor"), op)
                  for out, tensor in zip(outputs, inputs, strict=True)]
-        return self._coalesced("reduce_scatter_tensor_coalesced", parts, list(outputs))
-
-    def _reduce_scatter_one(self, output, tensor, opts, fn: str) -> Work:
-        ins = _rows(tensor, self.shoal_group.size, fn)
-        op, ins = self._reduce_op(opts.reduceOp, ins, fn, in_place=False)
-        return self.shoal_group.reduce_scatter(output, ins, op)
+        work = AllOf("reduce_scatter_tensor_coalesced", parts, self.shoal_group.timeout)
+        return TorchWork(work, list(outputs), then=self._scaled(list(outputs), factor))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        return self._work(self.shoal_group.all_to_all(list(output_tensors), list(input_tensors)),
-                          list(output_tensors))
+        opts, outs = opts or tdist.AllToAllOptions(), list(output_tensors)
+        return TorchWork(self.shoal_group.all_to_all(outs, list(input_tensors), async_op=opts.asyncOp), outs)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        size = self.shoal_group.size
+        opts, size = opts or tdist.AllToAllOptions(), self.shoal_group.size
+        if not output.is_contiguous():
+            raise ValueError("all_to_all_single: the output tensor must be contiguous")
         outs = _split(output, output_split_sizes, size, "all_to_all_single")
-        ins = _split(input, input_split_sizes, size, "all_to_all_single")
-        return self._work(self.shoal_group.all_to_all(outs, ins), [output])
+        ins = _split(input.contiguous(), input_split_sizes, size, "all_to_all_single")
+        return TorchWork(self.shoal_group.all_to_all(outs, ins, async_op=opts.asyncOp), [output])
 
     def barrier(self, opts=None):
-        return self._work(self.shoal_group.barrier(), [])
+        opts = opts or tdist.BarrierOptions()
+        return TorchWork(self.shoal_group.barrier(async_op=opts.asyncOp), [])
 
     def _coalesced(self, name: str, parts: list[Work], result: list[torch.Tensor]) -> TorchWork:
-        return self._work(AllOf(name, parts, self.shoal_group.timeout), result)
+        return TorchWork(AllOf(name, parts, self.shoal_group.timeout), result)
 
     # ---- point to point ----------------------------------------------------------------------
 
     def send(self, tensors, dst, tag):
         tensor = _one(tensors, "send")
-        return self._work(self.shoal_group.send(tensor, self._global(dst), tag), [tensor])
+        return TorchWork(self.shoal_group.send(tensor, self._global(dst), tag), [tensor])
 
     def recv(self, tensors, src, tag):
         tensor = _one(tensors, "recv")
-        return self._work(self.shoal_group.recv(tensor, self._global(src), tag), [tensor])
+        return TorchWork(self.shoal_group.recv(tensor, self._global(src), tag), [tensor])
 
     def recv_anysource(self, tensors, tag):
         raise ValueError("recv from any source is not supported by the shoal backend: give src")

@@ -4,6 +4,7 @@ collectives) wait on, with shoal's failures raised as torch's DistBackendError."
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -25,29 +26,61 @@ def backend_error(error: BaseException) -> tdist.DistBackendError:
 
 class TorchWork(tdist.Work):
     """One operation of a shoal group, as torch's Work: `result` is what the op leaves its output in,
-    the value of `get_future()` (DDP's communication hooks read the reduced bucket there)."""
+    the value of `get_future()` (DDP's communication hooks read the reduced bucket there).
 
-    def __init__(self, work: Work, result: list[torch.Tensor]) -> None:
+    `then` finishes the op where torch's meaning asks more than shoal's did (PREMUL_SUM's scaling): it runs
+    once shoal's op is done, on the thread that finished it, so before the group's next op begins. The
+    Work counts as done, for `wait` and for futures, only after it."""
+
+    def __init__(self, work: Work, result: list[torch.Tensor], then: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._work = work
         self._result = result
+        self._then = then
+        self._settling = threading.Lock()
+        self._settled = threading.Event()
+        self._error: BaseException | None = None
+        self._futures: list[Future] = []
+        work.add_done_callback(self._settle)
+
+    def _settle(self, error: BaseException | None) -> None:
+        if error is None and self._then is not None:
+            try:
+                self._then()
+            except Exception as exc:
+                error = exc
+        with self._settling:
+            self._error = None if error is None else backend_error(error)
+            self._settled.set()
+            futures, self._futures = self._futures, []
+        for future in futures:
+            self._resolve(future)
+
+    def _resolve(self, future: Future) -> None:
+        if self._error is None:
+            future.set_result(self._result)
+        else:
+            future.set_exception(self._error)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         # torch passes a zero timeout (its kNoTimeout) when the caller gave none: then the group's applies.
         try:
-            return self._work.wait(timeout if timeout else None)
+            self._work.wait(timeout if timeout else None)
         except Exception as exc:
             raise backend_error(exc) from exc
+        self._settled.wait()  # shoal's op is done: only its `then` and futures, on their way, are left
+        if self._error is not None:
+            raise self._error
+        return True
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        return self._settled.is_set()
 
     def is_success(self) -> bool:
-        return self._work.is_success()
+        return self._settled.is_set() and self._error is None
 
     def exception(self) -> BaseException | None:
-        error = self._work.exception()
-        return None if error is None else backend_error(error)
+        return self._error
 
     def result(self) -> list[torch.Tensor]:
         self.wait()
@@ -58,14 +91,11 @@ class TorchWork(tdist.Work):
 
     def get_future(self) -> Future:
         future: Future = Future()
-
-        def settle(error: BaseException | None) -> None:
-            if error is None:
-                future.set_result(self._result)
-            else:
-                future.set_exception(backend_error(error))
-
-        self._work.add_done_callback(settle)
+        with self._settling:
+            if not self._settled.is_set():
+                self._futures.append(future)
+                return future
+        self._resolve(future)
         return future
 
 

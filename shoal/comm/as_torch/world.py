@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import weakref
 
 import torch.distributed as tdist
 
@@ -21,21 +22,18 @@ from shoal.observe import timeline
 
 BACKEND = "shoal"
 _world: ShoalProcessGroup | None = None
-_made_by_torch = False  # torch's default group brought the world up, and takes it down
+_torch_groups: weakref.WeakSet[TorchGroup] = weakref.WeakSet()  # torch's groups over `_world`, still alive
+_ids_in_use: set[int] = set()  # the frame ids of torch's subgroups over `_world`
 
 
 def register() -> None:
-    """Make `torch.distributed.init_process_group("shoal")` (and "cpu:shoal,...") build shoal groups."""
+    """Make `torch.distributed.init_process_group("shoal")` build shoal groups."""
     tdist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 def shared() -> ShoalProcessGroup | None:
     """This process's shoal world group, if either API has brought one up."""
     return _world
-
-
-def made_by_torch() -> bool:
-    return _made_by_torch
 
 
 def share(world: ShoalProcessGroup, store: Store) -> None:
@@ -49,10 +47,13 @@ def share(world: ShoalProcessGroup, store: Store) -> None:
         _lend_default_group()
 
 
-def unshare(world: ShoalProcessGroup) -> None:
-    """Shoal's destroy takes `world` down: torch's groups over it go first."""
+def unshare() -> None:
+    """Shoal's destroy takes the world down: torch's groups over it go first (those torch still holds, a
+    group made after it took the lent default group back, fail from then on as shut down)."""
     global _world
     _withdraw_default_group()
+    for group in list(_torch_groups):
+        group.shutdown()
     _world = None
 
 
@@ -91,39 +92,59 @@ def _wraps(group: tdist.ProcessGroup, world: ShoalProcessGroup) -> bool:
 def _create(options, _backend_options) -> TorchGroup:
     """torch's creator for backend "shoal": its default group (no member list) is the world, every other
     group a subgroup of the world. Called on member ranks only, with the group's own prefix of torch's store."""
-    global _world, _made_by_torch
+    global _world
     members = list(options.global_ranks_in_group)
     if not members:
         if _world is not None:
             if (_world.rank, _world.size) != (options.group_rank, options.group_size):
                 raise RuntimeError(f"torch's default group is rank {options.group_rank} of {options.group_size} "
                                    f"but this process's shoal world is rank {_world.rank} of {_world.size}")
-            return TorchGroup(_world, release=lambda: None)  # shoal's destroy takes it down
+            return _made(TorchGroup(_world, release=lambda: None))  # shoal's destroy takes it down
         timeline.start_from_environment()
         world = ShoalProcessGroup.create(Store(options.store), options.group_rank, options.group_size,
                                          options.timeout, _store_host(options.store))
-        _world, _made_by_torch = world, True
-        observing.observe(world)
-        return TorchGroup(world, release=lambda: _take_down(world))
-    if _world is None:
-        raise RuntimeError("torch is making a group on backend 'shoal' but this process has no shoal world group: "
-                           "call init_process_group('shoal') first")
-    subgroup = _world.subgroup(members, _group_id(options.group_id), options.timeout)
-    return TorchGroup(subgroup, release=subgroup.shutdown)
+        try:
+            observing.observe(world)
+        except BaseException:
+            world.shutdown()
+            raise
+        _world = world
+        return _made(TorchGroup(world, release=lambda: _take_down(world)))
+    if _world is None or members.index(_world.transport.rank) != options.group_rank:
+        raise RuntimeError(f"torch is making a group of ranks {members} on backend 'shoal', but this process "
+                           f"has no shoal world numbered as torch's: call init_process_group('shoal') first")
+    group_id = _group_id(options.group_id)
+    if group_id in _ids_in_use:
+        raise RuntimeError(f"torch's group {options.group_id!r} draws frame id {group_id:#x}, which a live group "
+                           f"uses; destroy that group first")
+    _ids_in_use.add(group_id)
+    subgroup = _world.subgroup(members, group_id, options.timeout)
+
+    def release() -> None:
+        subgroup.shutdown()
+        _ids_in_use.discard(group_id)
+
+    return _made(TorchGroup(subgroup, release=release))
+
+
+def _made(group: TorchGroup) -> TorchGroup:
+    _torch_groups.add(group)
+    return group
 
 
 def _take_down(world: ShoalProcessGroup) -> None:
-    global _world, _made_by_torch
+    global _world
     world.shutdown()
     if _world is world:
-        _world, _made_by_torch = None, False
+        _world = None
 
 
 def _group_id(name: str) -> int:
     """The id the frames of torch's group `name` carry: drawn from the name, which torch gives alike on
-    every member; the top bit keeps it apart from the small ids shoal's own subgroups count up."""
-    digest = hashlib.blake2b(name.encode(), digest_size=4).digest()  # frames carry 32 bits
-    return int.from_bytes(digest, "big") | (1 << 31)
+    every member. Frames carry 32 bits: ids from 2**30 to 2**31 are kept apart from the small ones shoal's
+    own subgroups count up from 1, and from RPC's (2**32 - 256)."""
+    digest = hashlib.blake2b(name.encode(), digest_size=4).digest()
+    return (1 << 30) | (int.from_bytes(digest, "big") & ((1 << 30) - 1))
 
 
 def _store_host(store: tdist.Store) -> str:

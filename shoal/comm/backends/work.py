@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -11,6 +12,8 @@ from typing import Any
 
 from shoal.observe import events
 from shoal.observe.flight import Entry, recorder
+
+log = logging.getLogger(__name__)
 
 
 class Work:
@@ -70,8 +73,9 @@ class Work:
         return self._error
 
     def add_done_callback(self, callback: Callable[[BaseException | None], None]) -> None:
-        """Call `callback(error)` once the operation is done (at once, here, if it is): on the thread that
-        finishes it, so the callback must not wait for another operation of the same group."""
+        """Call `callback(error)` once the operation is done (at once, here, if it is), on the thread that
+        finishes it: the group's queue, or the transport's for a send or receive. So it must be short and
+        must not wait for another operation; what it raises is logged, and does not reach the group."""
         with self._claim:
             if not self._event.is_set():
                 self._callbacks.append(callback)
@@ -97,7 +101,10 @@ class Work:
             with self._claim:
                 callbacks, self._callbacks = self._callbacks, []
             for callback in callbacks:
-                callback(error)
+                try:
+                    callback(error)
+                except Exception:
+                    log.exception("a done-callback of %s raised", self.name)
         if isinstance(error, TimeoutError):
             recorder.dump(f"{self.name}: {error}")
 

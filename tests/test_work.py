@@ -1,0 +1,68 @@
+"""Work handles without a group: done-callbacks (a raising one harms neither the others nor the finisher),
+AllOf (several operations as one), and torch's Work over shoal's (then, futures, errors)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as tdist
+
+from shoal.comm.as_torch.work import AllOf, TorchWork
+from shoal.comm.backends.work import Work
+from shoal.errors import PeerFailure
+
+_TIMEOUT = timedelta(seconds=10)
+
+
+def test_done_callbacks_run_once_each_even_when_one_raises() -> None:
+    work, seen = Work("op", _TIMEOUT), []
+
+    def bad(error: BaseException | None) -> None:
+        raise RuntimeError("a callback's own bug")
+
+    work.add_done_callback(bad)
+    work.add_done_callback(seen.append)
+    work.finish()  # does not raise
+    work.finish(PeerFailure(1))  # the first outcome wins
+    work.add_done_callback(seen.append)  # already done: called at once
+    assert seen == [None, None] and work.wait()
+
+
+def test_all_of_finishes_with_the_last_part_and_fails_with_the_first_error() -> None:
+    parts = [Work(f"part {i}", _TIMEOUT) for i in range(3)]
+    whole = AllOf("whole", parts, _TIMEOUT)
+    parts[1].finish(PeerFailure(2, "gone"))
+    parts[0].finish()
+    assert not whole.is_completed()
+    parts[2].finish(PeerFailure(3))
+    with pytest.raises(PeerFailure, match="rank 2 failed: gone"):
+        whole.wait()
+    assert AllOf("nothing", [], _TIMEOUT).wait()
+
+
+def test_torch_work_runs_then_before_it_counts_as_done_and_settles_futures() -> None:
+    work, tensor = Work("op", _TIMEOUT), torch.ones(2)
+    ran_then = threading.Event()
+    torch_work = TorchWork(work, [tensor], then=lambda: (tensor.mul_(3), ran_then.set()))
+    early = torch_work.get_future()
+    assert not torch_work.is_completed()
+    work.finish()
+    assert ran_then.is_set() and torch_work.wait() and torch_work.is_success()
+    assert torch.equal(early.wait()[0], torch.full((2,), 3.0))
+    assert torch.equal(torch_work.get_future().wait()[0], torch.full((2,), 3.0))  # a future asked for later
+
+
+def test_torch_work_raises_dist_backend_error_naming_the_rank() -> None:
+    work = Work("op", _TIMEOUT)
+    torch_work = TorchWork(work, [])
+    future = torch_work.get_future()
+    work.finish(PeerFailure(1, "connection reset"))
+    with pytest.raises(tdist.DistBackendError, match="rank 1 failed: connection reset") as caught:
+        torch_work.wait()
+    assert isinstance(caught.value.__cause__, PeerFailure)
+    assert isinstance(torch_work.exception(), tdist.DistBackendError) and not torch_work.is_success()
+    with pytest.raises(tdist.DistBackendError, match="rank 1 failed"):
+        future.wait()
