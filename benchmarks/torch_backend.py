@@ -43,24 +43,11 @@ def _batch(op: Callable[[], object], nbytes: int) -> Callable[[], None]:
 
 def _small_gpt():
     import torch
-    from torch import nn
 
-    class SmallGPT(nn.Module):
-        def __init__(self, vocab: int = 2048, dim: int = 256, blocks: int = 4) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(vocab, dim)
-            self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(dim, 8, 4 * dim, dropout=0.0, batch_first=True,
-                                                                   norm_first=True) for _ in range(blocks))
-            self.head = nn.Linear(dim, vocab)
-
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            x = self.embed(tokens)
-            for block in self.blocks:
-                x = block(x)
-            return self.head(x).flatten(0, 1)
+    from tests.small_gpt import SmallGPT
 
     torch.manual_seed(0)
-    return SmallGPT()
+    return SmallGPT(vocab=2048, dim=256, blocks=4, heads=8)
 
 
 def _steps(rank: int, groups: dict) -> dict[str, Callable[[], None]]:

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from tests.ranks import run_ranks
+from tests.small_gpt import SmallGPT
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -31,23 +32,6 @@ def _init(backend: str, rank: int, world: int, port: int) -> None:
                              timeout=timedelta(seconds=60))
 
 
-class _TinyGPT(nn.Module):
-    """Embedding, two pre-norm transformer blocks and a head: what FSDP2 shards block by block."""
-
-    def __init__(self, vocab: int = 64, dim: int = 32, blocks: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True,
-                                                               norm_first=True) for _ in range(blocks))
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def _ddp_grads(rank: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -60,9 +44,9 @@ def _fsdp2_losses_and_checkpoint(rank: int, checkpoint: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
-    def sharded(seed: int) -> _TinyGPT:
+    def sharded(seed: int) -> SmallGPT:
         torch.manual_seed(seed)
-        model = _TinyGPT()
+        model = SmallGPT(vocab=64, dim=32, blocks=2, heads=4)
         for block in model.blocks:
             fully_shard(block)
         return fully_shard(model)
@@ -72,8 +56,7 @@ def _fsdp2_losses_and_checkpoint(rank: int, checkpoint: Path) -> dict:
     losses = []
     tokens = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(rank))  # one batch, learnt
     for _ in range(4):
-        logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1))
+        loss = nn.functional.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:].reshape(-1))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
