@@ -72,3 +72,14 @@ def interleaved(ops: dict[str, Callable[[], Any]], steps: int,
                 barrier: Callable[[], Any] = lambda: None) -> dict[str, float]:
     """The median seconds of each op, timed as `interleaved_times` does."""
     return {label: statistics.median(values) for label, values in interleaved_times(ops, steps, barrier).items()}
+
+
+def batched(op: Callable[[], Any], nbytes: int) -> tuple[Callable[[], None], int]:
+    """`op` run back to back, as many times as fill ~0.2 s at 1 GB/s (a communication op on `nbytes`), timed
+    as one; and that count."""
+    count = max(1, min(100, int(0.2 / max(nbytes / 1e9, 1e-4))))
+
+    def batch() -> None:
+        for _ in range(count):
+            op()
+    return batch, count

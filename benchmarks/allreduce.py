@@ -12,27 +12,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
-from benchmarks._steps import interleaved
+from benchmarks._steps import batched, interleaved
 from shoal.ports import free_port
 from tests.ranks import run_ranks
 
 SIZES = {"4KiB": 4 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
-
-
-def _batch(op, nbytes: int) -> tuple[Callable[[], None], int]:
-    """`op` run back to back, as many times as fill ~0.2 s, and that count."""
-    count = max(1, min(100, int(0.2 / max(nbytes / 1e9, 1e-4))))
-
-    def batch() -> None:
-        for _ in range(count):
-            op()
-    return batch, count
 
 
 def _worker(rank: int, world_size: int, port: int, gloo_port: int, sizes: list[str], repeats: int) -> list:
@@ -50,8 +39,8 @@ def _worker(rank: int, world_size: int, port: int, gloo_port: int, sizes: list[s
     for label in sizes:
         nbytes = SIZES[label]
         tensor = torch.ones(nbytes // 4)
-        batches = {"shoal": _batch(partial(dist.all_reduce, tensor), nbytes),
-                   "gloo": _batch(partial(tdist.all_reduce, tensor), nbytes)}
+        batches = {"shoal": batched(partial(dist.all_reduce, tensor), nbytes),
+                   "gloo": batched(partial(tdist.all_reduce, tensor), nbytes)}
         # One batch of each in turn: this machine's speed drifts, and should slow both alike.
         medians = interleaved({name: batch for name, (batch, _) in batches.items()}, repeats, dist.barrier)
         times = {}

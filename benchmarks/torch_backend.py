@@ -23,22 +23,11 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
-from benchmarks._steps import interleaved, training_step
+from benchmarks._steps import batched, interleaved, training_step
 from tests.ranks import run_ranks
 
 SIZES = {"4MiB": 4 << 20, "64MiB": 64 << 20}
 BACKENDS = ("shoal", "gloo")
-
-
-def _batch(op: Callable[[], object], nbytes: int) -> Callable[[], None]:
-    """`op` run back to back, as many times as fill ~0.2 s at 1 GB/s, timed as one."""
-    count = max(1, min(50, int(0.2 / max(nbytes / 1e9, 1e-4))))
-
-    def batch() -> None:
-        for _ in range(count):
-            op()
-    batch.count = count  # type: ignore[attr-defined]
-    return batch
 
 
 def _small_gpt():
@@ -103,10 +92,10 @@ def _worker(rank: int, world_size: int, port: int, sizes: list[str], repeats: in
         big, small = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // world_size)
         for name, call in (("all_gather_into_tensor", partial(tdist.all_gather_into_tensor, big, small)),
                            ("reduce_scatter_tensor", partial(tdist.reduce_scatter_tensor, small, big))):
-            batches = {backend: _batch(partial(call, group=group), nbytes) for backend, group in groups.items()}
-            medians = interleaved(batches, repeats, barrier)
+            batches = {backend: batched(partial(call, group=group), nbytes) for backend, group in groups.items()}
+            medians = interleaved({b: batch for b, (batch, _) in batches.items()}, repeats, barrier)
             rows.append(("op", f"{name} {label}", nbytes,
-                         {b: slowest(medians[b] / batches[b].count) for b in BACKENDS}))
+                         {b: slowest(medians[b] / batches[b][1]) for b in BACKENDS}))
     medians = interleaved(_steps(rank, groups), steps, barrier)
     for label in dict.fromkeys(k.rsplit(" (", 1)[0] for k in medians):
         rows.append(("step", label, 0, {b: slowest(medians[f"{label} ({b})"]) for b in BACKENDS}))
