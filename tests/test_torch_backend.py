@@ -138,9 +138,10 @@ def _functional_and_coalesced(rank: int, world: int) -> None:
           "functional all_reduce")
     check(funcol.all_to_all_single(torch.arange(world * 1.0) + 10 * rank, None, None, everyone),
           torch.tensor([10.0 * r + rank for r in range(world)]), "functional all_to_all_single")
-    lists = [[torch.empty(2) for _ in range(world)]]
-    tdist.all_gather_coalesced(lists, [torch.full((2,), float(rank))])
-    check(torch.cat(lists[0]), torch.cat([torch.full((2,), float(r)) for r in range(world)]), "all_gather_coalesced")
+    lists = [[torch.empty(2), torch.empty(1)] for _ in range(world)]  # one list per rank, a tensor per input
+    tdist.all_gather_coalesced(lists, [torch.full((2,), float(rank)), torch.full((1,), 5.0 * rank)])
+    check(torch.cat([t for per_rank in lists for t in per_rank]),
+          torch.cat([torch.tensor([r, r, 5.0 * r]) for r in range(world)]), "all_gather_coalesced")
 
 
 def _point_to_point_and_work(rank: int, world: int) -> dict:

@@ -12,13 +12,16 @@ import secrets
 import socket
 import threading
 import weakref
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
+import torch.distributed as tdist
+
 from shoal import config
-from shoal.comm.store import Store
+from shoal.comm.store import DEFAULT_TIMEOUT, Store
 from shoal.comm.transport.auth import is_loopback
 
 T = TypeVar("T")
@@ -81,44 +84,66 @@ _connecting = threading.Lock()
 # NAMESPACE/n/, so a group started again (init, destroy, init) while the store lives on, kept by the
 # other user of the connection, never meets the claims of its earlier incarnation. Every rank
 # starts and stops its groups in the same order, so all of them count alike.
-_joins: collections.Counter[tuple[str, int, str]] = collections.Counter()
+_joins: collections.Counter[tuple[Hashable, str]] = collections.Counter()
 
 
 def join(endpoint: Endpoint, timeout: timedelta, namespace: str = "shoal/") -> Store:
     """Connect to the store (or serve it, see the module's doc) and register under `namespace`; every rank leaves
     having seen all others. Joins under different namespaces share one connection."""
+    return join_store(connection(endpoint, timeout), (endpoint.host, endpoint.port), endpoint.rank,
+                      endpoint.world_size, timeout, namespace)
+
+
+def connection(endpoint: Endpoint, timeout: timedelta) -> Store:
+    """This process's connection to the store at `endpoint`, shared by every user (served here where the
+    module's doc says so)."""
     with _connecting:
         base = _connections.get((endpoint.host, endpoint.port))
         if base is None:
             base = Store.connect(endpoint.host, endpoint.port, world_size=endpoint.world_size,
                                  is_server=endpoint.serves_store, timeout=timeout)
             _connections[(endpoint.host, endpoint.port)] = base
-        incarnation = _joins[endpoint.host, endpoint.port, namespace]
-        _joins[endpoint.host, endpoint.port, namespace] += 1
+        return base
+
+
+def join_store(base: Store, key: Hashable, rank: int, world_size: int, timeout: timedelta,
+               namespace: str = "shoal/") -> Store:
+    """Register this rank under `namespace` of a store it has already reached (`key` names that store for
+    the count of joins), and wait for every other rank: the part of `join` that any store serves."""
+    with _connecting:
+        incarnation = _joins[key, namespace]
+        _joins[key, namespace] += 1
     store = base.scoped(f"{namespace}{incarnation}/")
-    if store.add(f"claims/{endpoint.rank}", 1) > 1:
-        raise ValueError(f"rank {endpoint.rank} was claimed by two processes; every process needs its "
-                         f"own RANK")
+    if store.add(f"claims/{rank}", 1) > 1:
+        raise ValueError(f"rank {rank} was claimed by two processes; every process needs its own RANK")
     # Rank 0 may serve the store and leaves as soon as it sees a mismatch, so every other rank reads
     # rank 0's entry before it writes its own: its last call then is one rank 0 waits for.
-    first = endpoint.world_size if endpoint.rank == 0 else store.get("joined/0", timeout=timeout)
-    store.set(f"joined/{endpoint.rank}", endpoint.world_size)
-    if first != endpoint.world_size:
-        raise ValueError(f"world size mismatch: rank 0 has world_size={first} but rank {endpoint.rank} "
-                         f"has world_size={endpoint.world_size}")
-    keys = [f"joined/{r}" for r in range(endpoint.world_size)]
+    first = world_size if rank == 0 else store.get("joined/0", timeout=timeout)
+    store.set(f"joined/{rank}", world_size)
+    if first != world_size:
+        raise ValueError(f"world size mismatch: rank 0 has world_size={first} but rank {rank} "
+                         f"has world_size={world_size}")
+    keys = [f"joined/{r}" for r in range(world_size)]
     try:
         store.wait(keys, timeout=timeout)
     except TimeoutError:
-        missing = [r for r in range(endpoint.world_size) if not store.raw.check([store.prefix + keys[r]])]
-        raise TimeoutError(f"rank {endpoint.rank}: ranks {missing} did not join within "
-                           f"{timeout.total_seconds():g}s (world_size={endpoint.world_size})") from None
-    for r in range(1, endpoint.world_size):
+        missing = [r for r in range(world_size) if not store.raw.check([store.prefix + keys[r]])]
+        raise TimeoutError(f"rank {rank}: ranks {missing} did not join within "
+                           f"{timeout.total_seconds():g}s (world_size={world_size})") from None
+    for r in range(1, world_size):
         theirs = store.get(f"joined/{r}", timeout=timeout)
-        if theirs != endpoint.world_size:
-            raise ValueError(f"world size mismatch: rank {endpoint.rank} has world_size={endpoint.world_size} "
+        if theirs != world_size:
+            raise ValueError(f"world size mismatch: rank {rank} has world_size={world_size} "
                              f"but rank {r} has world_size={theirs}")
     return store
+
+
+def store_host(store: tdist.Store) -> str:
+    """The host of the TCPStore under torch's prefixes: the interface that reaches it is the one peers can
+    reach (loopback for a store in files or in memory)."""
+    while isinstance(store, tdist.PrefixStore):
+        store = store.underlying_store
+    return store.host if isinstance(store, tdist.TCPStore) else "127.0.0.1"
 
 
 def local_address_towards(host: str) -> str:
@@ -149,3 +174,35 @@ def job_secret(store: Store, rank: int, bind_host: str, timeout: timedelta) -> t
     if rank == 0:
         store.set("loopback-secret", secrets.token_hex(32))
     return store.get("loopback-secret", timeout=timeout).encode(), session
+
+
+# torch's rendezvous handlers by URL scheme: `init_method` URLs of other schemes than env:// and tcp://
+# (file://, or one a script registers) reach their store through these, as in torch.
+_handlers: dict[str, Callable[..., Iterator[tuple[tdist.Store, int, int]]]] = {}
+
+
+def register_rendezvous_handler(scheme: str, handler: Callable[..., Iterator[tuple[tdist.Store, int, int]]]) -> None:
+    """Let `init_method` URLs of `scheme` reach their store through `handler(url, rank, world_size)`, an
+    iterator of (store, rank, world_size) as torch's handlers are."""
+    if scheme in _handlers or scheme in ("env", "tcp", "file"):
+        raise RuntimeError(f"rendezvous handler for {scheme}:// is already registered")
+    _handlers[scheme] = handler
+
+
+def rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) -> Iterator[tuple[tdist.Store, int, int]]:
+    """torch's `rendezvous`: (store, rank, world_size) for `url`, rank and world size read from the URL's
+    query (`?rank=0&world_size=2`) or the environment where the arguments leave them out (-1)."""
+    parsed = urlparse(url)
+    query = dict(pair.split("=", 1) for pair in parsed.query.split("&") if "=" in pair)
+    rank = int(query.get("rank", -1)) if rank == -1 else rank
+    world_size = int(query.get("world_size", -1)) if world_size == -1 else world_size
+    if parsed.scheme in _handlers:
+        yield from _handlers[parsed.scheme](url, rank, world_size, **kwargs)
+        return
+    if parsed.scheme == "file":
+        if world_size < 1 or rank < 0:
+            raise ValueError(f"init_method {url!r} needs rank= and world_size= (arguments or query)")
+        yield tdist.FileStore(parsed.path, world_size), rank, world_size
+        return
+    endpoint = resolve(url.split("?", 1)[0], None if rank == -1 else rank, None if world_size == -1 else world_size)
+    yield connection(endpoint, kwargs.get("timeout", DEFAULT_TIMEOUT)).raw, endpoint.rank, endpoint.world_size

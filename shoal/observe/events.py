@@ -9,6 +9,7 @@ the default, every emit returns at its first test and records nothing.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import threading
 import time
@@ -24,6 +25,9 @@ DDP = "ddp"
 # Rare events that a post-mortem needs: sinks write them out at once.
 FAULT = "fault"
 MEMBERSHIP = "membership"
+
+# The name the collectives issued in a `record_comm` block are known by: their spans carry it as "label".
+comm_label: contextvars.ContextVar[str | None] = contextvars.ContextVar("comm_label", default=None)
 
 Started = tuple[int, int]  # (time from `now()`, native id of the thread the span is drawn on)
 

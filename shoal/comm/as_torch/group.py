@@ -13,9 +13,9 @@ import torch.distributed as tdist
 from torch.distributed import ReduceOp as TorchReduceOp
 
 from shoal.comm.algorithms.reduce_op import ReduceOp
-from shoal.comm.as_torch.work import AllOf, TorchWork
+from shoal.comm.as_torch.work import TorchWork
 from shoal.comm.backends.native import ShoalProcessGroup
-from shoal.comm.backends.work import Work
+from shoal.comm.backends.work import AllOf, Work
 
 _REDUCE_OPS = {TorchReduceOp.SUM: ReduceOp.SUM, TorchReduceOp.AVG: ReduceOp.AVG,
                TorchReduceOp.PRODUCT: ReduceOp.PRODUCT, TorchReduceOp.MIN: ReduceOp.MIN,
@@ -28,30 +28,6 @@ def _one(tensors: list[torch.Tensor], fn: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"{fn}: the shoal backend takes one tensor per rank, got {len(tensors)}")
     return tensors[0]
-
-
-def _rows(tensor: torch.Tensor, parts: int, fn: str) -> list[torch.Tensor]:
-    """`tensor`, flat, cut into `parts` equal views, for the *_single collectives."""
-    if not tensor.is_contiguous():
-        raise ValueError(f"{fn}: the tensor must be contiguous")
-    if tensor.numel() % parts:
-        raise ValueError(f"{fn}: a tensor of {tensor.numel()} elements does not split into {parts} equal parts")
-    return list(tensor.view(parts, tensor.numel() // parts).unbind(0))
-
-
-def _split(tensor: torch.Tensor, sizes: list[int], parts: int, fn: str) -> list[torch.Tensor]:
-    """Contiguous `tensor` cut along its first dimension into `sizes` rows each (equal parts where none
-    are given), as torch's all_to_all_single cuts it."""
-    rows = tensor.shape[0] if tensor.dim() else 1
-    if not sizes:
-        if rows % parts:
-            raise ValueError(f"{fn}: a first dimension of {rows} does not split into {parts} equal parts")
-        sizes = [rows // parts] * parts
-    if len(sizes) != parts or sum(sizes) != rows:
-        raise ValueError(f"{fn}: split sizes {list(sizes)} must give one count per rank ({parts}) and add up "
-                         f"to the tensor's first dimension ({rows})")
-    per_row = tensor.numel() // rows if rows else 0
-    return list(tensor.reshape(rows, per_row).split(list(sizes)))
 
 
 class TorchGroup(tdist.ProcessGroup):
@@ -149,18 +125,16 @@ class TorchGroup(tdist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts or tdist.AllgatherOptions()
-        outs = _rows(output, self.shoal_group.size, "all_gather_into_tensor")
-        return TorchWork(self.shoal_group.all_gather(outs, input, async_op=opts.asyncOp), [output])
+        return TorchWork(self.shoal_group.all_gather_into_tensor(output, input, async_op=opts.asyncOp), [output])
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
-        parts = [self.shoal_group.all_gather(list(outs), tensor)
-                 for outs, tensor in zip(output_lists, input_tensors, strict=True)]
-        return self._coalesced("allgather_coalesced", parts, [t for outs in output_lists for t in outs])
+        output_lists = [list(outs) for outs in output_lists]
+        return TorchWork(self.shoal_group.all_gather_coalesced(output_lists, list(input_tensors)),
+                         [t for outs in output_lists for t in outs])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        size = self.shoal_group.size
-        parts = [self.shoal_group.all_gather(_rows(out, size, "all_gather_into_tensor_coalesced"), tensor)
-                 for out, tensor in zip(outputs, inputs, strict=True)]
+        group = self.shoal_group
+        parts = [group.all_gather_into_tensor(out, tensor) for out, tensor in zip(outputs, inputs, strict=True)]
         return self._coalesced("all_gather_into_tensor_coalesced", parts, list(outputs))
 
     def gather(self, output_tensors, input_tensors, opts=None):
@@ -183,15 +157,15 @@ class TorchGroup(tdist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or tdist.ReduceScatterOptions()
-        ins = _rows(input.contiguous(), self.shoal_group.size, "reduce_scatter_tensor")
+        group = self.shoal_group
         return self._reducing([output], opts, "reduce_scatter_tensor",
-                              lambda op: self.shoal_group.reduce_scatter(output, ins, op, async_op=opts.asyncOp))
+                              lambda op: group.reduce_scatter_tensor(output, input, op, async_op=opts.asyncOp))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        opts, size = opts or tdist.ReduceScatterOptions(), self.shoal_group.size
+        opts = opts or tdist.ReduceScatterOptions()
         op, factor = self._reduce_op(opts.reduceOp, "reduce_scatter_tensor_coalesced")
-        parts = [self.shoal_group.reduce_scatter(out, _rows(tensor.contiguous(), size, "reduce_scatter_tensor"), op)
-                 for out, tensor in zip(outputs, inputs, strict=True)]
+        group = self.shoal_group
+        parts = [group.reduce_scatter_tensor(out, tensor, op) for out, tensor in zip(outputs, inputs, strict=True)]
         work = AllOf("reduce_scatter_tensor_coalesced", parts, self.shoal_group.timeout)
         return TorchWork(work, list(outputs), then=self._scaled(list(outputs), factor))
 
@@ -200,12 +174,10 @@ class TorchGroup(tdist.ProcessGroup):
         return TorchWork(self.shoal_group.all_to_all(outs, list(input_tensors), async_op=opts.asyncOp), outs)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        opts, size = opts or tdist.AllToAllOptions(), self.shoal_group.size
-        if not output.is_contiguous():
-            raise ValueError("all_to_all_single: the output tensor must be contiguous")
-        outs = _split(output, output_split_sizes, size, "all_to_all_single")
-        ins = _split(input.contiguous(), input_split_sizes, size, "all_to_all_single")
-        return TorchWork(self.shoal_group.all_to_all(outs, ins, async_op=opts.asyncOp), [output])
+        opts = opts or tdist.AllToAllOptions()
+        work = self.shoal_group.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                                  async_op=opts.asyncOp)
+        return TorchWork(work, [output])
 
     def barrier(self, opts=None):
         opts = opts or tdist.BarrierOptions()

@@ -97,27 +97,3 @@ class TorchWork(tdist.Work):
                 return future
         self._resolve(future)
         return future
-
-
-class AllOf(Work):
-    """Several shoal operations as one (torch's coalesced collectives): done when all are, failed with
-    the first error."""
-
-    def __init__(self, name: str, parts: list[Work], timeout: timedelta) -> None:
-        super().__init__(name, timeout)
-        self._counting = threading.Lock()
-        self._left = len(parts)
-        self._errors: list[BaseException] = []
-        if not parts:
-            self.finish()
-        for part in parts:
-            part.add_done_callback(self._one_done)
-
-    def _one_done(self, error: BaseException | None) -> None:
-        with self._counting:
-            self._left -= 1
-            if error is not None:
-                self._errors.append(error)
-            done = self._left == 0
-        if done:
-            self.finish(self._errors[0] if self._errors else None)

@@ -9,14 +9,14 @@ group torch makes later (`new_group`, a DeviceMesh's dimensions) is a subgroup o
 from __future__ import annotations
 
 import functools
-import hashlib
 import weakref
 
 import torch.distributed as tdist
 
 from shoal.comm import observing
 from shoal.comm.as_torch.group import TorchGroup
-from shoal.comm.backends.native import ShoalProcessGroup
+from shoal.comm.backends.native import ShoalProcessGroup, named_group_id
+from shoal.comm.rendezvous import store_host
 from shoal.comm.store import Store
 from shoal.observe import timeline
 
@@ -102,7 +102,7 @@ def _create(options, _backend_options) -> TorchGroup:
             return _made(TorchGroup(_world, release=lambda: None))  # shoal's destroy takes it down
         timeline.start_from_environment()
         world = ShoalProcessGroup.create(Store(options.store), options.group_rank, options.group_size,
-                                         options.timeout, _store_host(options.store))
+                                         options.timeout, store_host(options.store))
         try:
             observing.observe(world)
         except BaseException:
@@ -113,7 +113,7 @@ def _create(options, _backend_options) -> TorchGroup:
     if _world is None or members.index(_world.transport.rank) != options.group_rank:
         raise RuntimeError(f"torch is making a group of ranks {members} on backend 'shoal', but this process "
                            f"has no shoal world numbered as torch's: call init_process_group('shoal') first")
-    group_id = _group_id(options.group_id)
+    group_id = named_group_id(options.group_id)
     if group_id in _ids_in_use:
         raise RuntimeError(f"torch's group {options.group_id!r} draws frame id {group_id:#x}, which a live group "
                            f"uses; destroy that group first")
@@ -137,20 +137,3 @@ def _take_down(world: ShoalProcessGroup) -> None:
     world.shutdown()
     if _world is world:
         _world = None
-
-
-def _group_id(name: str) -> int:
-    """The id the frames of torch's group `name` carry: drawn from the name, which torch gives alike on
-    every member. Frames carry 32 bits: ids from 2**30 to 2**31 are kept apart from the small ones shoal's
-    own subgroups count up from 1, and from RPC's (2**32 - 256)."""
-    digest = hashlib.blake2b(name.encode(), digest_size=4).digest()
-    return (1 << 30) | (int.from_bytes(digest, "big") & ((1 << 30) - 1))
-
-
-def _store_host(store: tdist.Store) -> str:
-    """The host of the TCPStore under torch's prefixes: the interface that reaches it is the one peers can
-    reach (loopback for the in-process stores)."""
-    while isinstance(store, tdist.PrefixStore):
-        store = store.underlying_store
-    return store.host if isinstance(store, tdist.TCPStore) else "127.0.0.1"
-

@@ -243,14 +243,17 @@ class C10dProcessGroup(ProcessGroup):
         work = self._engine.recv([t], src, tag)
         return self._wrap("recv", work, back, peer=self.ranks[src], tag=tag)
 
-    def new_subgroup(self, ranks: Sequence[int]) -> C10dProcessGroup | None:
-        """Every member of this group calls it, in the same order: that order names the subgroup's part
-        of the store. Only the subgroup's members build an engine."""
-        self._subgroups_made += 1
+    def new_subgroup(self, ranks: Sequence[int], timeout: timedelta | None = None, *,
+                     name: str | None = None) -> C10dProcessGroup | None:
+        """Without a name, every member of this group calls it, in the same order: that order names the
+        subgroup's part of the store. Only the subgroup's members build an engine."""
+        if name is None:
+            self._subgroups_made += 1
         if self.ranks[self.rank] not in ranks:
             return None
-        return C10dProcessGroup(self.backend, self._store, f"{self._name}sub{self._subgroups_made}/", sorted(ranks),
-                                self.ranks[self.rank], self.timeout)
+        part = f"sub{self._subgroups_made}/" if name is None else f"named/{name}/"
+        return C10dProcessGroup(self.backend, self._store, self._name + part, list(ranks), self.ranks[self.rank],
+                                timeout or self.timeout)
 
     def shutdown(self) -> None:
         recent, self._recent = self._recent, None

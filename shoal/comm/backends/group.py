@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 
 from shoal.comm.algorithms.reduce_op import ReduceOp
-from shoal.comm.backends.work import Work
+from shoal.comm.backends.work import AllOf, Work
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -111,6 +111,34 @@ class ProcessGroup(abc.ABC):
                                     f"{ins[0].dtype}; all tensors must share one dtype")
         return self._start_all_to_all(outs, ins, blocking=not async_op)
 
+    def all_gather_coalesced(self, output_lists: list[list[torch.Tensor]], tensors: list[torch.Tensor]) -> Work:
+        """all_gather of several tensors as one operation: `output_lists[r][i]` receives rank r's `tensors[i]`."""
+        if len(output_lists) != self.size or any(len(outs) != len(tensors) for outs in output_lists):
+            raise ValueError(f"all_gather_coalesced: output_tensor_lists must hold one list per rank ({self.size}), "
+                             f"each with a tensor per input ({len(tensors)})")
+        parts = [self.all_gather([outs[i] for outs in output_lists], tensor) for i, tensor in enumerate(tensors)]
+        return AllOf("all_gather_coalesced", parts, self.timeout)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor, *, async_op: bool = True) -> Work:
+        """all_gather into one contiguous tensor: rank r's `tensor` lands in the r-th of its equal parts."""
+        return self.all_gather(_rows(output, self.size, "all_gather_into_tensor"), tensor, async_op=async_op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                              async_op: bool = True) -> Work:
+        """reduce_scatter of one tensor cut into equal parts: rank r's `output` gets the reduced r-th part."""
+        return self.reduce_scatter(output, _rows(tensor.contiguous(), self.size, "reduce_scatter_tensor"), op,
+                                   async_op=async_op)
+
+    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: Sequence[int] | None,
+                          input_split_sizes: Sequence[int] | None, *, async_op: bool = True) -> Work:
+        """all_to_all of two tensors cut along their first dimension: into equal parts, or rows by the
+        split sizes (one count per rank)."""
+        if not output.is_contiguous():
+            raise ValueError("all_to_all_single: the output tensor must be contiguous")
+        outs = _split(output, output_split_sizes, self.size, "all_to_all_single")
+        return self.all_to_all(outs, _split(tensor.contiguous(), input_split_sizes, self.size, "all_to_all_single"),
+                                async_op=async_op)
+
     def barrier(self, *, async_op: bool = True) -> Work:
         return self._start_barrier(blocking=not async_op)
 
@@ -183,9 +211,12 @@ class ProcessGroup(abc.ABC):
     def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work: ...
 
     @abc.abstractmethod
-    def new_subgroup(self, ranks: Sequence[int]) -> ProcessGroup | None:
-        """A group of the given global ranks; every rank of this group must call it, in the same order.
-        Returns None on ranks outside `ranks`."""
+    def new_subgroup(self, ranks: Sequence[int], timeout: timedelta | None = None, *,
+                     name: str | None = None) -> ProcessGroup | None:
+        """A group of the given global ranks (in that order), with `timeout` (ours by default). Without a
+        `name`, every rank of this group must call it, in the same order, and ranks outside `ranks` get
+        None; with one, which its members agree on and no other live group of theirs bears, only the
+        members call it."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -197,6 +228,32 @@ def _check_tensor(tensor: object, fn: str) -> None:
         raise TypeError(f"{fn}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_sparse:
         raise TypeError(f"{fn}: sparse tensors are not supported; call .to_dense() first")
+
+
+def _rows(tensor: torch.Tensor, parts: int, fn: str) -> list[torch.Tensor]:
+    """`tensor`, flat, cut into `parts` equal views."""
+    _check_tensor(tensor, fn)
+    if not tensor.is_contiguous():
+        raise ValueError(f"{fn}: the tensor must be contiguous")
+    if tensor.numel() % parts:
+        raise ValueError(f"{fn}: a tensor of {tensor.numel()} elements does not split into {parts} equal parts")
+    return list(tensor.view(parts, tensor.numel() // parts).unbind(0))
+
+
+def _split(tensor: torch.Tensor, sizes: Sequence[int] | None, parts: int, fn: str) -> list[torch.Tensor]:
+    """Contiguous `tensor` cut along its first dimension into `sizes` rows each (equal parts where none
+    are given), as torch's all_to_all_single cuts it."""
+    _check_tensor(tensor, fn)
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if not sizes:
+        if rows % parts:
+            raise ValueError(f"{fn}: a first dimension of {rows} does not split into {parts} equal parts")
+        sizes = [rows // parts] * parts
+    if len(sizes) != parts or sum(sizes) != rows:
+        raise ValueError(f"{fn}: split sizes {list(sizes)} must give one count per rank ({parts}) and add up "
+                         f"to the tensor's first dimension ({rows})")
+    per_row = tensor.numel() // rows if rows else 0
+    return list(tensor.reshape(rows, per_row).split(list(sizes)))
 
 
 _BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)

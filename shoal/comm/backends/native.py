@@ -352,11 +352,13 @@ class ShoalProcessGroup(ProcessGroup):
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def new_subgroup(self, ranks: Sequence[int]) -> ShoalProcessGroup | None:
-        group_id = self._next_group_id()  # drawn on every rank, members or not, to stay in step
+    def new_subgroup(self, ranks: Sequence[int], timeout: timedelta | None = None, *,
+                     name: str | None = None) -> ShoalProcessGroup | None:
+        # Without a name, the id is drawn on every rank, members or not, to stay in step.
+        group_id = self._next_group_id() if name is None else named_group_id(name)
         if self.transport.rank not in ranks:
             return None
-        return self.subgroup(ranks, group_id, self.timeout)
+        return self.subgroup(ranks, group_id, timeout or self.timeout)
 
     def subgroup(self, ranks: Sequence[int], group_id: int, timeout: timedelta) -> ShoalProcessGroup:
         """A group of the given global ranks (ours among them) over this group's transport, whose frames
@@ -368,6 +370,14 @@ class ShoalProcessGroup(ProcessGroup):
         self._placement = None  # our arena's memory goes once the peers have let go of it too
         if self._owns_transport:
             self.transport.close(self.timeout)
+
+
+def named_group_id(name: str) -> int:
+    """The id the frames of the group `name` carry: drawn from the name, which the members give alike.
+    Frames carry 32 bits: ids from 2**30 to 2**31 are kept apart from the small ones shoal's unnamed
+    subgroups count up from 1, and from RPC's (2**32 - 256)."""
+    digest = hashlib.blake2b(name.encode(), digest_size=4).digest()
+    return (1 << 30) | (int.from_bytes(digest, "big") & ((1 << 30) - 1))
 
 
 def _all(callbacks) -> Callable[[], None]:

@@ -35,6 +35,7 @@ class Work:
         self._started: events.Started | None = None
         self._span_args: dict[str, Any] = {}
         self._callbacks: list[Callable[[BaseException | None], None]] = []
+        self._label = events.comm_label.get()  # what an enclosing `record_comm` calls it
 
     def running(self, span_args: dict[str, Any]) -> events.Started | None:
         """The operation has started to run: its flight entry says so and its span begins, described by
@@ -45,6 +46,8 @@ class Work:
             self.flight.start()
         self._started = events.begin()
         self._span_args = span_args
+        if self._label is not None:
+            span_args["label"] = self._label
         return self._started
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -107,6 +110,30 @@ class Work:
                     log.exception("a done-callback of %s raised", self.name)
         if isinstance(error, TimeoutError):
             recorder.dump(f"{self.name}: {error}")
+
+
+class AllOf(Work):
+    """Several shoal operations as one (coalesced collectives): done when all are, failed with
+    the first error."""
+
+    def __init__(self, name: str, parts: list[Work], timeout: timedelta) -> None:
+        super().__init__(name, timeout)
+        self._counting = threading.Lock()
+        self._left = len(parts)
+        self._errors: list[BaseException] = []
+        if not parts:
+            self.finish()
+        for part in parts:
+            part.add_done_callback(self._one_done)
+
+    def _one_done(self, error: BaseException | None) -> None:
+        with self._counting:
+            self._left -= 1
+            if error is not None:
+                self._errors.append(error)
+            done = self._left == 0
+        if done:
+            self.finish(self._errors[0] if self._errors else None)
 
 
 class OpQueue:
