@@ -101,11 +101,14 @@ SHOAL_TTY = Variable[bool](
 
 RANK = Variable[int | None]("RANK", None, _count, "this worker's rank in the job", user=False)
 WORLD_SIZE = Variable[int | None]("WORLD_SIZE", None, _count, "the job's number of workers", user=False)
+LOCAL_RANK = Variable[int | None]("LOCAL_RANK", None, _count, "this worker's rank on its host", user=False)
 MASTER_ADDR = Variable[str | None]("MASTER_ADDR", None, str, "the host of the job's store", user=False)
 MASTER_PORT = Variable[int | None]("MASTER_PORT", None, _count, "the port of the job's store", user=False)
 TORCHELASTIC_USE_AGENT_STORE = Variable[bool](
     "TORCHELASTIC_USE_AGENT_STORE", False, lambda text: text == "True",
     "True: the launcher serves the store at MASTER_ADDR:MASTER_PORT, and workers connect to it", user=False)
+TORCHELASTIC_RUN_ID = Variable[str | None](
+    "TORCHELASTIC_RUN_ID", None, str, "the job's id (--rdzv-id): set where a launcher started this worker", user=False)
 SHOAL_RESTART_COUNT = Variable[int](
     "SHOAL_RESTART_COUNT", 0, _count, "how many times the launcher has restarted the workers", user=False)
 SHOAL_LIVE = Variable[bool]("SHOAL_LIVE", False, _switch, "1: the job runs with live recovery (--live)", user=False)

@@ -1,4 +1,8 @@
-"""`import shoal.distributed as dist`: the torch.distributed-style API of shoal's communication library."""
+"""`import shoal.distributed as dist`: torch.distributed's names over shoal's communication library."""
 
-from shoal.comm import *  # noqa: F403 - this module is the public re-export of shoal.comm
-from shoal.comm import __all__  # noqa: F401
+from shoal.comm.api import *  # noqa: F403 - this module is the public face of shoal.comm.api
+from shoal.comm.api import __all__ as _api
+from shoal.comm.backends.group import ProcessGroup
+from shoal.comm.backends.work import Work
+
+__all__ = ["ProcessGroup", "Work", *_api]

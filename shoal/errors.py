@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from torch.distributed import DistBackendError
 
-class PeerFailure(RuntimeError):
-    """A peer process died or its connection dropped while this rank depended on it."""
+
+class PeerFailure(DistBackendError):
+    """A peer process died or its connection dropped while this rank depended on it. A DistBackendError
+    (a RuntimeError), so code written against torch.distributed catches it where it catches torch's."""
 
     def __init__(self, rank: int | None, detail: str = "") -> None:
         self.rank = rank
@@ -21,5 +24,5 @@ class CollectiveMismatchError(ValueError):
     """Ranks called the same collective with different tensors (numel, dtype) or arguments."""
 
 
-class GroupBrokenError(RuntimeError):
+class GroupBrokenError(DistBackendError):
     """A process group is unusable because an earlier operation on it failed."""

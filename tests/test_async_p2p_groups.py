@@ -112,12 +112,13 @@ def test_point_to_point_dtype_mismatch_names_the_sender() -> None:
 def _subgroups(rank: int, world: int) -> None:
     evens = dist.new_group([0, 2])
     tail = dist.new_group([1, 2])
-    assert (evens is None) == (rank == 1) and (tail is None) == (rank == 0)
-    if evens is not None:
+    outside = dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives a rank it leaves out, as in torch
+    assert (evens == outside) == (rank == 1) and (tail == outside) == (rank == 0)
+    if evens != outside:
         t = torch.full((10,), float(rank))
         dist.all_reduce(t, group=evens)
         assert torch.all(t == 2.0) and dist.get_world_size(evens) == 2
-    if tail is not None:
+    if tail != outside:
         t = torch.full((100_000,), float(rank))
         dist.broadcast(t, src=2, group=tail)  # src is a global rank, as in torch
         assert torch.all(t == 2.0) and dist.get_rank(tail) == rank - 1

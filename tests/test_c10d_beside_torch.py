@@ -26,7 +26,7 @@ def _beside_torch(rank: int, world: int, _: int, ports: list[tuple[int, int]]) -
         theirs = torch.full((4,), 10.0 * (rank + 1))
         tdist.all_reduce(theirs)
         tail = dist.new_group([1, 2])  # only its members build anything
-        if tail is not None:
+        if tail != dist.GroupMember.NON_GROUP_MEMBER:
             block = torch.full((3,), float(rank))
             dist.broadcast(block, src=2, group=tail)
             seen.append(block[0].item())

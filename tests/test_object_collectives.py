@@ -96,7 +96,7 @@ def _in_a_subgroup(rank: int, world: int) -> dict[str, Any] | None:
     import shoal.distributed as dist
 
     group = dist.new_group([1, 2])
-    if group is None:
+    if group == dist.GroupMember.NON_GROUP_MEMBER:
         return None
     by_global = [f"from {rank}"]
     dist.broadcast_object_list(by_global, src=2, group=group)

@@ -149,7 +149,7 @@ def test_a_batch_size_change_between_steps_is_described_anew() -> None:
 
 
 def _one_stage(rank: int) -> None:
-    alone = dist.new_group([0])  # every rank calls new_group; rank 1 gets None
+    alone = dist.new_group([0])  # every rank calls new_group; rank 1 gets GroupMember.NON_GROUP_MEMBER
     if rank != 0:
         return
     model = _model()

@@ -130,8 +130,28 @@ def test_gpu_device_maps_are_refused_with_a_clear_message() -> None:
     options.set_device_map("worker1", {0: 1})
     with pytest.raises(ValueError, match=r"CPU tensors only.*tensor\.cpu\(\)"):
         rpc.init_rpc("w0", rank=0, world_size=1, rpc_backend_options=options)
-    with pytest.raises(ValueError, match="not one shoal offers"):
+    with pytest.raises(ValueError, match="cannot carry shoal's calls"):
         rpc.init_rpc("w0", backend="PROCESS_GROUP", rank=0, world_size=1)
+
+
+def test_the_backend_registry_takes_torch_s_registrations_and_init_rpc_runs_shoal_s_agent_only() -> None:
+    from shoal.rpc import backend_registry
+
+    options = backend_registry.construct_rpc_backend_options(rpc.BackendType.TENSORPIPE, rpc_timeout=7.0,
+                                                            num_worker_threads=3)
+    assert isinstance(options, rpc.TensorPipeRpcBackendOptions) and (options.rpc_timeout, options.num_worker_threads) \
+        == (7.0, 3)
+    made = []
+    custom = backend_registry.register_backend("CUSTOM_FOR_TEST", lambda timeout, method, **kw: made.append(timeout),
+                                               lambda *a, **kw: None)
+    assert custom is rpc.BackendType.CUSTOM_FOR_TEST and backend_registry.backend_registered("CUSTOM_FOR_TEST")
+    backend_registry.construct_rpc_backend_options(custom, rpc_timeout=2.0)
+    assert made == [2.0]
+    with pytest.raises(RuntimeError, match="already registered"):
+        backend_registry.register_backend("CUSTOM_FOR_TEST", print, print)
+    with pytest.raises(ValueError, match="cannot carry shoal's calls"):
+        rpc.init_rpc("w0", backend=custom, rank=0, world_size=1)
+    assert rpc.is_available() and rpc.BackendType.TENSORPIPE.name == "TENSORPIPE"
 
 
 @rpc.functions.async_execution

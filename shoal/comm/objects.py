@@ -1,6 +1,7 @@
-"""Python objects through a group's collectives, as torch.distributed's `broadcast_object_list`,
-`all_gather_object`, `gather_object` and `scatter_object_list` send them: each object is pickled, the
-lengths travel first, then the bytes, padded to the longest where a collective needs equal sizes.
+"""Python objects through a group's collectives and point-to-point, as torch.distributed's
+`broadcast_object_list`, `all_gather_object`, `gather_object`, `scatter_object_list` and
+`send/recv_object_list` send them: each object is pickled, the lengths travel first, then the bytes,
+padded to the longest where a collective needs equal sizes.
 
 Pickles are loaded as they come, as torch's are: every peer of a group has proven the job's secret
 (transport/auth.py), so nothing here comes from outside the job. Ranks are global, as in torch.
@@ -14,6 +15,9 @@ from typing import Any
 import torch
 
 from shoal.comm.backends.group import ProcessGroup
+
+# The tag send_object_list's messages carry: apart from the small tags programs use for their own send/recv.
+_OBJECT_TAG = 0x0B1EC7
 
 
 def broadcast_object_list(group: ProcessGroup, object_list: list[Any], src: int, *,
@@ -79,6 +83,29 @@ def scatter_object_list(group: ProcessGroup, output_list: list[Any], input_list:
     blocks = [_padded(p, max(sizes), group) for p in pieces] if is_src else None
     group.scatter(mine, blocks, src).wait()
     output_list[0] = _unpickled(mine, sizes[group.rank])
+
+
+def send_object_list(group: ProcessGroup, object_list: list[Any], dst: int, *,
+                     device: torch.device | None = None) -> None:
+    """`object_list`, pickled, to `dst`, whose `recv_object_list` takes a list of the same length."""
+    pieces = [_pickled(obj) for obj in object_list]
+    device = device or group.device
+    group.send(torch.tensor([len(p) for p in pieces], dtype=torch.int64, device=device), dst, _OBJECT_TAG).wait()
+    if pieces:
+        group.send(_as_tensor(b"".join(pieces)).to(device), dst, _OBJECT_TAG).wait()
+
+
+def recv_object_list(group: ProcessGroup, object_list: list[Any], src: int, *,
+                     device: torch.device | None = None) -> None:
+    """`object_list` becomes what `src` sent with `send_object_list` (a list of the same length)."""
+    device = device or group.device
+    lengths = torch.zeros(len(object_list), dtype=torch.int64, device=device)
+    group.recv(lengths, src, _OBJECT_TAG).wait()
+    sizes = lengths.tolist()
+    if sizes:
+        payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        group.recv(payload, src, _OBJECT_TAG).wait()
+        object_list[:] = _unpickled_runs(payload, sizes)
 
 
 def _exchange_lengths(group: ProcessGroup, obj: Any) -> tuple[bytes, list[int]]:

@@ -37,9 +37,9 @@ def get_sharing_strategy() -> str:
     return _STRATEGY
 
 
-def set_sharing_strategy(strategy: str) -> None:
-    if strategy != _STRATEGY:
-        raise ValueError(f"sharing strategy {strategy!r} is not offered: shoal shares tensors as anonymous memory "
+def set_sharing_strategy(new_strategy: str) -> None:
+    if new_strategy != _STRATEGY:
+        raise ValueError(f"sharing strategy {new_strategy!r} is not offered: shoal shares tensors as anonymous memory "
                          f"files passed by descriptor ({_STRATEGY!r}), which leave nothing behind in /dev/shm")
 
 

@@ -16,16 +16,15 @@ from collections.abc import Callable
 from typing import Any
 
 from shoal.observe import timeline
-from shoal.rpc import current
-from shoal.rpc.agent import RpcAgent
+from shoal.rpc import backend_registry, current
 from shoal.rpc.current import current_agent
 from shoal.rpc.future import Future
-from shoal.rpc.options import BackendType, RpcBackendOptions, Timeout, To, WorkerInfo
+from shoal.rpc.options import RpcBackendOptions, Timeout, To, WorkerInfo
 from shoal.rpc.rref import RRef
 
 
-def init_rpc(name: str, backend: BackendType | None = None, rank: int | None = None, world_size: int | None = None,
-             rpc_backend_options: RpcBackendOptions | None = None) -> None:
+def init_rpc(name: str, backend: backend_registry.BackendType | None = None, rank: int | None = None,
+             world_size: int | None = None, rpc_backend_options: RpcBackendOptions | None = None) -> None:
     """Join the RPC group as worker `name`; returns once every worker has joined. The arguments are
     torch.distributed.rpc's, in its order (`backend` may only name TENSORPIPE, which shoal's agent
     stands in for).
@@ -38,13 +37,15 @@ def init_rpc(name: str, backend: BackendType | None = None, rank: int | None = N
     if running is not None:
         raise RuntimeError(f"RPC is already initialized on this worker (as {running.name!r}); "
                            f"call shoal.rpc.shutdown() first")
-    if backend is not None and backend != BackendType.TENSORPIPE:
-        raise ValueError(f"init_rpc: backend {backend!r} is not one shoal offers; leave it out (shoal's own agent "
-                         f"stands in for BackendType.TENSORPIPE)")
-    options = rpc_backend_options or RpcBackendOptions()
+    backend = backend if backend is not None else backend_registry.BackendType.TENSORPIPE
+    if not backend_registry.is_shoal_backend(backend):
+        raise ValueError(f"init_rpc: backend {backend!r} cannot carry shoal's calls; leave it out (shoal's own "
+                         f"agent stands in for BackendType.TENSORPIPE)")
+    options = rpc_backend_options or backend_registry.construct_rpc_backend_options(backend)
     options.check()
     timeline.start_from_environment()
-    RpcAgent.start(name, None if rank == -1 else rank, world_size, options)
+    backend_registry.init_backend(backend, name=name, rank=-1 if rank is None else rank, world_size=world_size,
+                                  rpc_backend_options=options)
 
 
 def shutdown(graceful: bool = True, timeout: Timeout = None) -> None:

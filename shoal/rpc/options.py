@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from enum import Enum
 
 import torch
 
@@ -71,14 +70,16 @@ class RpcBackendOptions:
 
 
 class TensorPipeRpcBackendOptions(RpcBackendOptions):
-    """torch.distributed.rpc's name for the options, so scripts move over by changing the import;
-    the same settings as RpcBackendOptions, honoured by shoal's own agent."""
+    """torch.distributed.rpc's name for the options, taking torch's arguments in torch's order, so scripts
+    move over by changing the import; the same settings as RpcBackendOptions, honoured by shoal's own
+    agent (`init_timeout` and `shutdown_timeout` may be set as attributes). `_transports` and `_channels`
+    choose TensorPipe's internals; shoal's transport has one of each, so they are accepted and unused."""
 
-
-class BackendType(Enum):
-    """torch.distributed.rpc's backend names; shoal's agent stands in for TENSORPIPE."""
-
-    TENSORPIPE = "TENSORPIPE"
+    def __init__(self, num_worker_threads: int = 16, rpc_timeout: float = 60.0, init_method: str = "env://",
+                 device_maps: dict[str, dict] | None = None, devices: list | None = None,
+                 _transports: list | None = None, _channels: list | None = None) -> None:
+        super().__init__(num_worker_threads=num_worker_threads, rpc_timeout=rpc_timeout, init_method=init_method,
+                         device_maps=device_maps, devices=devices)
 
 
 Timeout = float | timedelta | None

@@ -1,0 +1,82 @@
+"""torch.distributed's pure data types, which shoal takes and gives as they are: the options objects a
+group's operations take, the stores (a TCPStore, FileStore, HashStore or PrefixStore goes to
+`init_process_group(store=...)`), the error types (shoal's PeerFailure is a DistBackendError), type names,
+and the debug level (torch's, which its engines under backends "gloo" and "nccl" read).
+
+DeviceMesh and init_device_mesh are torch's: they build their groups through torch.distributed, which
+runs them on shoal's transport (backend "shoal", comm/as_torch/). GradBucket, Reducer, Logger and
+ProcessGroupGloo are torch's DDP internals and its Gloo engine, there for programs that use torch's DDP
+or backend "gloo" through shoal's names; shoal's own DDP is shoal.parallel.DistributedDataParallel."""
+
+from torch.distributed import (
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    Backend,
+    BackendConfig,
+    BarrierOptions,
+    BroadcastOptions,
+    BuiltinCommHookType,
+    DebugLevel,
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    FileStore,
+    GatherOptions,
+    GradBucket,
+    GroupName,
+    HashStore,
+    Logger,
+    PrefixStore,
+    ProcessGroupGloo,
+    QueueEmptyError,
+    RankType,
+    ReduceOptions,
+    Reducer,
+    ReduceScatterOptions,
+    ScatterOptions,
+    Store,
+    TCPStore,
+    get_debug_level,
+    set_debug_level,
+    set_debug_level_from_env,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = [
+    "AllToAllOptions",
+    "AllreduceCoalescedOptions",
+    "AllreduceOptions",
+    "Backend",
+    "BackendConfig",
+    "BarrierOptions",
+    "BroadcastOptions",
+    "BuiltinCommHookType",
+    "DebugLevel",
+    "DeviceMesh",
+    "DistBackendError",
+    "DistError",
+    "DistNetworkError",
+    "DistStoreError",
+    "FileStore",
+    "GatherOptions",
+    "GradBucket",
+    "GroupName",
+    "HashStore",
+    "Logger",
+    "PrefixStore",
+    "ProcessGroupGloo",
+    "QueueEmptyError",
+    "RankType",
+    "ReduceOptions",
+    "ReduceScatterOptions",
+    "Reducer",
+    "ScatterOptions",
+    "Store",
+    "TCPStore",
+    "get_debug_level",
+    "init_device_mesh",
+    "set_debug_level",
+    "set_debug_level_from_env",
+]
