@@ -211,7 +211,7 @@ def test_split_group_local_groups_and_shrink_group_make_the_groups_they_name() -
 
 
 def _with_store(rank: int, world: int, port: int, kind: str, path: str) -> float:
-    """init_process_group given one of torch's stores, or a file:// init_method."""
+    """init_process_group given one of torch's stores, a file:// init_method, or a scheme with a handler."""
     import torch.distributed as torch_dist
 
     import shoal.distributed as dist
@@ -219,39 +219,73 @@ def _with_store(rank: int, world: int, port: int, kind: str, path: str) -> float
     if kind == "TCPStore":
         store = torch_dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
         dist.init_process_group(store=store, rank=rank, world_size=world)
-    else:
+    elif kind == "file":
         dist.init_process_group(init_method=f"file://{path}", rank=rank, world_size=world)
+    else:  # a scheme of the script's own, its handler written as torch's are: rank and size in the query
+        def files(url: str, **kwargs: Any):
+            query = dict(pair.split("=") for pair in url.partition("?")[2].split("&"))
+            yield torch_dist.FileStore(path, int(query["world_size"])), int(query["rank"]), int(query["world_size"])
+
+        dist.register_rendezvous_handler("myfiles", files)
+        dist.init_process_group(init_method="myfiles://anywhere", rank=rank, world_size=world)
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     return t.item()
 
 
-@pytest.mark.parametrize("kind", ["TCPStore", "file"])
+@pytest.mark.parametrize("kind", ["TCPStore", "file", "handler"])
 def test_init_process_group_takes_torch_stores_and_file_urls(kind: str, tmp_path: Path) -> None:
     out = run_ranks(_with_store, 3, kind, str(tmp_path / "rendezvous"), backend=None, timeout=60)
     assert out == {0: 6.0, 1: 6.0, 2: 6.0}
 
 
-def test_monitored_barrier_names_the_rank_that_did_not_come() -> None:
-    out = run_ranks(_monitored_main, 3, timeout=60)
-    assert "rank(s) [2] did not reach the barrier" in out[0]
-    assert "did not release global rank 1" in out[1]
+def test_monitored_barrier_names_the_rank_that_did_not_come_and_a_late_one_spoils_no_later_barrier() -> None:
+    out = run_ranks(_monitored, 3, timeout=60)
+    assert "rank(s) [2] did not reach the barrier" in out[0][0]
+    assert all("did not release global rank" in out[r][0] for r in (1, 2))
+    assert [out[r][1] for r in range(3)] == ["passed"] * 3
 
 
-def _monitored_main(rank: int, world: int) -> str:
-    """Rank 2 stays out of the monitored barrier until the others are done with it: rank 0 names it, and
-    rank 1, never released, says so."""
+def _monitored(rank: int, world: int) -> list[str]:
+    """Rank 2 comes to the first monitored barrier only after the others have given up on it: rank 0 names
+    it, and ranks 1 and 2, never released, say so. Rank 2's late arrival there does not count for the
+    second barrier, which every rank reaches."""
     import shoal.distributed as dist
 
-    outcome = "away"
-    if rank != 2:
+    outcomes = []
+    if rank == 2:
+        dist.all_reduce(torch.ones(1))  # returns once the others are done with the first barrier
+    for patience in (2, 20):
         try:
-            dist.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
-            outcome = "passed"
+            dist.monitored_barrier(timeout=timedelta(seconds=patience), wait_all_ranks=True)
+            outcomes.append("passed")
         except RuntimeError as exc:
-            outcome = str(exc)
-    dist.all_reduce(torch.ones(1))  # rank 2 comes back only now; nothing of the barrier is left pending
-    return outcome
+            outcomes.append(str(exc))
+        if rank != 2 and len(outcomes) == 1:
+            dist.all_reduce(torch.ones(1))
+    return outcomes
+
+
+def _patient_barrier(rank: int, world: int) -> bool:
+    """The group's timeout is 2 s; a barrier given 30 s waits out rank 1's 4 s of work."""
+    import time
+
+    import shoal.distributed as dist
+
+    if rank == 1:
+        time.sleep(4)
+    dist.barrier(timeout=timedelta(seconds=30))
+    alone = dist.new_group([0])
+    answers = dist.get_rank(alone) == (0 if rank == 0 else -1)
+    if rank == 1:
+        with pytest.warns(UserWarning, match="not a member"):
+            answers &= dist.recv(torch.empty(1), src=0, group=alone) == -1  # torch's answer outside the group
+    dist.destroy_process_group(alone)  # on rank 1, a group it is not in: nothing to do, as in torch
+    return answers
+
+
+def test_a_barrier_s_timeout_replaces_the_group_s_and_non_members_are_answered_as_torch_answers() -> None:
+    assert run_ranks(_patient_barrier, 2, group_timeout=2, timeout=60) == {0: True, 1: True}
 
 
 def test_a_lost_peer_is_caught_as_torch_s_dist_backend_error() -> None:

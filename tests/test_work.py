@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from shoal.comm.as_torch.work import AllOf, TorchWork
-from shoal.comm.backends.work import Work
+from shoal.comm.as_torch.work import TorchWork
+from shoal.comm.backends.work import AllOf, Work
 from shoal.errors import PeerFailure
 
 _TIMEOUT = timedelta(seconds=10)

@@ -55,7 +55,7 @@ def resolve(init_method: str, rank: int | None, world_size: int | None) -> Endpo
         if rank is None or world_size is None:
             raise ValueError("init_method tcp://... needs rank= and world_size= arguments")
     else:
-        raise ValueError(f"unsupported init_method {init_method!r}; use env:// or tcp://host:port")
+        raise ValueError(f"init_method {init_method!r}: resolve takes env:// or tcp://host:port")
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
@@ -106,13 +106,17 @@ def connection(endpoint: Endpoint, timeout: timedelta) -> Store:
         return base
 
 
-def join_store(base: Store, key: Hashable, rank: int, world_size: int, timeout: timedelta,
+def join_store(base: Store, key: Hashable | None, rank: int, world_size: int, timeout: timedelta,
                namespace: str = "shoal/") -> Store:
-    """Register this rank under `namespace` of a store it has already reached (`key` names that store for
-    the count of joins), and wait for every other rank: the part of `join` that any store serves."""
-    with _connecting:
-        incarnation = _joins[key, namespace]
-        _joins[key, namespace] += 1
+    """Register this rank under `namespace` of a store it has already reached, and wait for every other rank:
+    the part of `join` that any store serves. `key` names the store for this process's count of joins; for a
+    store a script hands over (None), each rank counts its joins in the store itself instead."""
+    if key is None:
+        incarnation = base.add(f"{namespace}joins/{rank}", 1) - 1
+    else:
+        with _connecting:
+            incarnation = _joins[key, namespace]
+            _joins[key, namespace] += 1
     store = base.scoped(f"{namespace}{incarnation}/")
     if store.add(f"claims/{rank}", 1) > 1:
         raise ValueError(f"rank {rank} was claimed by two processes; every process needs its own RANK")
@@ -176,28 +180,37 @@ def job_secret(store: Store, rank: int, bind_host: str, timeout: timedelta) -> t
     return store.get("loopback-secret", timeout=timeout).encode(), session
 
 
-# torch's rendezvous handlers by URL scheme: `init_method` URLs of other schemes than env:// and tcp://
-# (file://, or one a script registers) reach their store through these, as in torch.
+# torch's rendezvous handlers by URL scheme: `init_method` URLs of other schemes than env://, tcp:// and
+# file:// reach their store through these, as in torch.
 _handlers: dict[str, Callable[..., Iterator[tuple[tdist.Store, int, int]]]] = {}
+# Connections `rendezvous` has handed out as torch's stores: kept, so that a later join of the same
+# endpoint in this process shares the connection (and the server, where this process serves it).
+_lent: list[Store] = []
 
 
 def register_rendezvous_handler(scheme: str, handler: Callable[..., Iterator[tuple[tdist.Store, int, int]]]) -> None:
-    """Let `init_method` URLs of `scheme` reach their store through `handler(url, rank, world_size)`, an
-    iterator of (store, rank, world_size) as torch's handlers are."""
+    """Let `init_method` URLs of `scheme` reach their store through `handler(url, **kwargs)`, an iterator
+    of (store, rank, world_size), as torch's handlers are: rank and world size come in the URL's query."""
     if scheme in _handlers or scheme in ("env", "tcp", "file"):
         raise RuntimeError(f"rendezvous handler for {scheme}:// is already registered")
     _handlers[scheme] = handler
 
 
 def rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) -> Iterator[tuple[tdist.Store, int, int]]:
-    """torch's `rendezvous`: (store, rank, world_size) for `url`, rank and world size read from the URL's
-    query (`?rank=0&world_size=2`) or the environment where the arguments leave them out (-1)."""
+    """torch's `rendezvous`: (store, rank, world_size) for `url`. Rank and world size given here go into the
+    URL's query (`?rank=0&world_size=2`), which must not name them too; env:// reads what neither gives from
+    the environment."""
     parsed = urlparse(url)
     query = dict(pair.split("=", 1) for pair in parsed.query.split("&") if "=" in pair)
-    rank = int(query.get("rank", -1)) if rank == -1 else rank
-    world_size = int(query.get("world_size", -1)) if world_size == -1 else world_size
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value != -1:
+            if name in query:
+                raise ValueError(f"rendezvous: {name} is given both in {url!r} and as an argument")
+            query[name] = str(value)
+    url = parsed._replace(query="&".join(f"{k}={v}" for k, v in query.items())).geturl()
+    rank, world_size = int(query.get("rank", -1)), int(query.get("world_size", -1))
     if parsed.scheme in _handlers:
-        yield from _handlers[parsed.scheme](url, rank, world_size, **kwargs)
+        yield from _handlers[parsed.scheme](url, **kwargs)
         return
     if parsed.scheme == "file":
         if world_size < 1 or rank < 0:
@@ -205,4 +218,6 @@ def rendezvous(url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) ->
         yield tdist.FileStore(parsed.path, world_size), rank, world_size
         return
     endpoint = resolve(url.split("?", 1)[0], None if rank == -1 else rank, None if world_size == -1 else world_size)
-    yield connection(endpoint, kwargs.get("timeout", DEFAULT_TIMEOUT)).raw, endpoint.rank, endpoint.world_size
+    store = connection(endpoint, kwargs.get("timeout", DEFAULT_TIMEOUT))
+    _lent.append(store)
+    yield store.raw, endpoint.rank, endpoint.world_size

@@ -36,13 +36,15 @@ def scatter(tensors: Sequence[torch.Tensor], src: int = 0, group: ProcessGroup |
 
 def reduce(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM,
            group: ProcessGroup | None = None) -> torch.Tensor:
-    """The reduction on `dst` (the others get their own tensor back); the gradient is broadcast from `dst`."""
+    """The reduction on `dst` (the others get their own tensor back); the gradient is broadcast from `dst`
+    (differentiable for SUM and AVG)."""
     return _Reduce.apply(dst, op, group, tensor)
 
 
 def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
                    group: ProcessGroup | None = None) -> torch.Tensor:
-    """Rank r's `output` becomes the reduction of every rank's `input_list[r]`; the gradients all-gather."""
+    """Rank r's `output` becomes the reduction of every rank's `input_list[r]`; the gradients all-gather
+    (differentiable for SUM and AVG)."""
     return _ReduceScatter.apply(op, group, output, *input_list)
 
 
@@ -70,6 +72,17 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Process
     return _AllReduce.apply(op, group, tensor)
 
 
+def _adjoint_scale(op: ReduceOp, group: ProcessGroup | None, fn: str) -> float:
+    """What the gradient of a reduction by `op` is scaled by: 1 for SUM, 1/n for AVG; other reductions are
+    not linear in each input, and have no gradient here."""
+    if op == ReduceOp.SUM:
+        return 1.0
+    if op == ReduceOp.AVG:
+        return 1.0 / dist.get_world_size(group)
+    raise RuntimeError(f"{fn} with {op.name} has no gradient here: only SUM and AVG are differentiable (each "
+                       f"rank's input moves the result at every rank alike)")
+
+
 def _rank(group: ProcessGroup | None) -> int:
     """This process's global rank (the roots above are global ranks)."""
     group = dist.default_group() if group is None else group
@@ -95,14 +108,15 @@ class _Broadcast(Function):
 class _Reduce(Function):
     @staticmethod
     def forward(ctx, dst, op, group, tensor):
-        ctx.dst, ctx.group = dst, group
+        ctx.dst, ctx.op, ctx.group = dst, ReduceOp(op), group
         tensor = tensor.clone()
         dist.reduce(tensor, dst, op=op, group=group)
         return tensor
 
     @staticmethod
     def backward(ctx, grad_output):
-        return None, None, None, _Broadcast.apply(ctx.dst, ctx.group, grad_output)
+        scale = _adjoint_scale(ctx.op, ctx.group, "reduce")
+        return None, None, None, _Broadcast.apply(ctx.dst, ctx.group, grad_output) * scale
 
 
 class _Gather(Function):
@@ -136,14 +150,15 @@ class _Scatter(Function):
 class _ReduceScatter(Function):
     @staticmethod
     def forward(ctx, op, group, output, *inputs):
-        ctx.group = group
+        ctx.op, ctx.group = ReduceOp(op), group
         output = output.contiguous()
         dist.reduce_scatter(output, [t.contiguous() for t in inputs], op=op, group=group)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        return (None, None, None, *_AllGather.apply(ctx.group, grad_output))
+        scale = _adjoint_scale(ctx.op, ctx.group, "reduce_scatter")
+        return (None, None, None, *(grad * scale for grad in _AllGather.apply(ctx.group, grad_output)))
 
 
 class _AllGather(Function):
@@ -203,7 +218,5 @@ class _AllReduce(Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        if ctx.op not in (ReduceOp.SUM, ReduceOp.AVG):
-            raise RuntimeError(f"all_reduce with {ctx.op.name} has no gradient here: only SUM and AVG are "
-                               f"differentiable (each rank's input moves the result at every rank alike)")
+        _adjoint_scale(ctx.op, ctx.group, "all_reduce")  # refuses what has no gradient
         return None, None, _AllReduce.apply(ctx.op, ctx.group, grad_output)

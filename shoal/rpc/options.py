@@ -26,7 +26,7 @@ class RpcBackendOptions:
     """Settings of the RPC agent, as torch.distributed.rpc's backend options name them."""
 
     init_method: str = "env://"
-    """Rendezvous, as for process groups: env:// (MASTER_ADDR, MASTER_PORT) or tcp://host:port."""
+    """Rendezvous: env:// (MASTER_ADDR, MASTER_PORT) or tcp://host:port."""
     rpc_timeout: float = 60.0
     """Seconds a call may take before its future fails with TimeoutError (a call's `timeout` overrides)."""
     num_worker_threads: int = 16

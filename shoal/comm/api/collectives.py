@@ -4,18 +4,16 @@ group (given GroupMember.NON_GROUP_MEMBER) warns and does nothing."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 
 from shoal.comm.algorithms.reduce_op import ReduceOp
-from shoal.comm.api.world import _group, members_only, root
+from shoal.comm.api.world import _group, default_group, members_only, root
 from shoal.comm.backends.group import ProcessGroup
 from shoal.comm.backends.work import Work
-
-# The tag of monitored_barrier's messages: apart from the small tags programs use for their own send/recv.
-_MONITORED_BARRIER_TAG = 0x7B4221
 
 
 def _finish(work: Work, async_op: bool) -> Work | None:
@@ -25,39 +23,39 @@ def _finish(work: Work, async_op: bool) -> Work | None:
     return None
 
 
-@members_only
+@members_only()
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     return _finish(_group(group).all_reduce(tensor, op, async_op=async_op), async_op)
 
 
-@members_only
+@members_only()
 def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None,
                          async_op: bool = False) -> Work | None:
     return _finish(_group(group).all_reduce_coalesced(tensors, op, async_op=async_op), async_op)
 
 
-@members_only
+@members_only()
 def broadcast(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, async_op: bool = False,
               group_src: int | None = None) -> Work | None:
     group = _group(group)
     return _finish(group.broadcast(tensor, root(group, src, group_src, "src"), async_op=async_op), async_op)
 
 
-@members_only
+@members_only()
 def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
            group: ProcessGroup | None = None, async_op: bool = False, group_dst: int | None = None) -> Work | None:
     group = _group(group)
     return _finish(group.reduce(tensor, root(group, dst, group_dst, "dst"), op, async_op=async_op), async_op)
 
 
-@members_only
+@members_only()
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup | None = None,
                async_op: bool = False) -> Work | None:
     return _finish(_group(group).all_gather(tensor_list, tensor, async_op=async_op), async_op)
 
 
-@members_only
+@members_only()
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup | None = None,
                            async_op: bool = False) -> Work | None:
     """Every rank's `input_tensor`, in rank order, in one tensor: `output_tensor` holds world-size times as
@@ -68,7 +66,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
 all_gather_single = all_gather_into_tensor  # torch 2.13's new name for it (torch still takes the old one)
 
 
-@members_only
+@members_only()
 def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_tensor_list: list[torch.Tensor],
                          group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """all_gather of several tensors at once: `output_tensor_lists[r][i]` receives rank r's
@@ -76,7 +74,7 @@ def all_gather_coalesced(output_tensor_lists: list[list[torch.Tensor]], input_te
     return _finish(_group(group).all_gather_coalesced(output_tensor_lists, input_tensor_list), async_op)
 
 
-@members_only
+@members_only()
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int | None = None,
            group: ProcessGroup | None = None, async_op: bool = False, group_dst: int | None = None) -> Work | None:
     group = _group(group)
@@ -84,7 +82,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     return _finish(group.gather(tensor, gather_list, dst, async_op=async_op), async_op)
 
 
-@members_only
+@members_only()
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int | None = None,
             group: ProcessGroup | None = None, async_op: bool = False, group_src: int | None = None) -> Work | None:
     group = _group(group)
@@ -92,13 +90,13 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     return _finish(group.scatter(tensor, scatter_list, src, async_op=async_op), async_op)
 
 
-@members_only
+@members_only()
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
                    group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     return _finish(_group(group).reduce_scatter(output, input_list, op, async_op=async_op), async_op)
 
 
-@members_only
+@members_only()
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                           group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """reduce_scatter of one tensor cut into world-size equal parts: this rank's `output` gets its part,
@@ -109,13 +107,13 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceO
 reduce_scatter_single = reduce_scatter_tensor  # torch 2.13's new name for it (torch still takes the old one)
 
 
-@members_only
+@members_only()
 def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
                group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     return _finish(_group(group).all_to_all(output_tensor_list, input_tensor_list, async_op=async_op), async_op)
 
 
-@members_only
+@members_only()
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: Sequence[int] | None = None, input_split_sizes: Sequence[int] | None = None,
                       group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
@@ -125,46 +123,47 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     return _finish(work, async_op)
 
 
-@members_only
+@members_only()
 def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None,
             timeout: timedelta | None = None) -> Work | None:
-    """Wait until every rank of the group has reached it; `timeout` bounds this one wait (the group's
-    own otherwise). `device_ids` is accepted as torch takes it (it picks NCCL's GPU)."""
-    work = _group(group).barrier(async_op=async_op or timeout is not None)
-    if async_op:
-        return work
-    work.wait(timeout)
-    return None
+    """Wait until every rank of the group has reached it; `timeout` replaces the group's for this barrier,
+    longer or shorter. `device_ids` is accepted as torch takes it (it picks NCCL's GPU)."""
+    return _finish(_group(group).barrier(async_op=async_op, timeout=timeout), async_op)
 
 
-@members_only
-def monitored_barrier(group: ProcessGroup | None = None, timeout: timedelta | None = None,
+# How many monitored barriers this process has entered, per group (by its ranks): every member enters
+# them in the same order, so the count names the same barrier on every rank.
+_monitored: collections.Counter[tuple[int, ...]] = collections.Counter()
+
+
+@members_only()
+def monitored_barrier(group: ProcessGroup | None = None, timeout: timedelta | float | None = None,
                       wait_all_ranks: bool = False) -> None:
-    """A barrier that names the ranks that did not reach it: group rank 0 waits for each of the others
-    within `timeout` and raises RuntimeError naming the first one missing (every one with
-    `wait_all_ranks`); the others raise once rank 0 does not release them in time."""
+    """A barrier that names the ranks that did not reach it: group rank 0 waits for the others until
+    `timeout` and raises RuntimeError naming the first one missing (every one with `wait_all_ranks`); the
+    others raise once rank 0 does not release them in time. The ranks meet in the job's store, so a late
+    arrival never counts for a later barrier."""
     group = _group(group)
-    timeout = timeout or group.timeout
-    token = torch.zeros(1, dtype=torch.uint8)
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout or group.timeout.total_seconds())
+    store = default_group().store
+    if store is None:
+        raise RuntimeError("monitored_barrier needs the job's store, which this default group does not keep")
+    _monitored[group.ranks] += 1
+    here = store.scoped(f"monitored_barrier/{','.join(map(str, group.ranks))}/{_monitored[group.ranks]}/")
+    me = group.ranks[group.rank]
     if group.rank != 0:
-        group.send(token, group.ranks[0], _MONITORED_BARRIER_TAG).wait()
+        here.set(f"arrived/{me}", True)
         try:
-            group.recv(torch.empty_like(token), group.ranks[0], _MONITORED_BARRIER_TAG).wait(timeout)
+            here.wait(["released"], timeout=timeout)
         except TimeoutError:
             raise RuntimeError(f"monitored_barrier: rank {group.ranks[0]} (group rank 0) did not release global "
-                               f"rank {group.ranks[group.rank]} within {timeout.total_seconds():g}s") from None
+                               f"rank {me} within {timeout.total_seconds():g}s") from None
         return
-    arrivals = {r: group.recv(torch.empty_like(token), r, _MONITORED_BARRIER_TAG) for r in group.ranks[1:]}
-    missing = []
-    for r, work in arrivals.items():
-        try:
-            work.wait(timeout if not missing or wait_all_ranks else timedelta(0))
-        except TimeoutError:
-            missing.append(r)
-            if not wait_all_ranks:
-                break
-    if missing:
-        raise RuntimeError(f"monitored_barrier: rank(s) {missing} did not reach the barrier within "
-                           f"{timeout.total_seconds():g}s")
-    for r in group.ranks[1:]:
-        group.send(token, r, _MONITORED_BARRIER_TAG).wait()
+    others = [f"arrived/{r}" for r in group.ranks[1:]]
+    try:
+        here.wait(others, timeout=timeout)
+    except TimeoutError:
+        missing = [r for r, key in zip(group.ranks[1:], others, strict=True) if not here.has(key)]
+        raise RuntimeError(f"monitored_barrier: rank(s) {missing if wait_all_ranks else missing[:1]} did not "
+                           f"reach the barrier within {timeout.total_seconds():g}s") from None
+    here.set("released", True)

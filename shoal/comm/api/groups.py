@@ -3,31 +3,29 @@ ranks and the job's."""
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 
-from shoal.comm.api.world import GroupMember, _group, _subgroups, get_rank, get_world_size
+from shoal.comm.api.world import GroupMember, _group, _subgroups, get_rank, get_world_size, named_groups
 from shoal.comm.backends.group import ProcessGroup
 from shoal.comm.backends.registry import check_backend
 
-# How many named subgroups of each member list this process has made: the members of a group made
-# with use_local_synchronization count alike, so the count tells apart two groups of the same ranks.
-_named: collections.Counter[tuple[int, ...]] = collections.Counter()
+# torch's shrink_group flags: shoal cannot abort the parent's operations in flight, so it takes the default.
+SHRINK_DEFAULT, SHRINK_ABORT = 0, 1
 
 
 def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = None, backend: str | None = None,
               pg_options: object | None = None, use_local_synchronization: bool = False,
               group_desc: str | None = None, device_id: torch.device | None = None,
-              sort_ranks: bool = True) -> ProcessGroup | int:
+              sort_ranks: bool = True) -> ProcessGroup | int | None:
     """A subgroup of the given global ranks (sorted unless `sort_ranks=False`), with its own `timeout`
     (the default group's otherwise). Every rank of the job calls it, in the same order, unless
-    `use_local_synchronization`: then only the members do. Ranks outside get
-    `GroupMember.NON_GROUP_MEMBER`, as in torch. `backend` may only name the default group's: shoal's
-    subgroups run over the default group's connections. `group_desc` and `device_id` are accepted as
-    torch takes them."""
+    `use_local_synchronization`: then only the members need to. Ranks outside get
+    `GroupMember.NON_GROUP_MEMBER` (None with `use_local_synchronization`), as in torch. `backend` may
+    only name the default group's: shoal's subgroups run over the default group's connections.
+    `group_desc` and `device_id` are accepted as torch takes them."""
     world = _group(None)
     if backend is not None and check_backend(str(backend).lower()) != world.backend:
         raise ValueError(f"new_group: backend {backend!r} differs from the default group's "
@@ -35,14 +33,19 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = No
     if pg_options is not None:
         raise ValueError("new_group: pg_options are options of torch's own backends; shoal's take none")
     members = _members(world, ranks, sort_ranks)
-    if use_local_synchronization and world.ranks[world.rank] not in members:
-        raise ValueError(f"new_group(use_local_synchronization=True) is called by the members only; global rank "
-                         f"{world.ranks[world.rank]} is not one of {members}")
-    name = None
-    if use_local_synchronization:
-        _named[tuple(members)] += 1
-        name = f"shoal:{','.join(map(str, members))}:{_named[tuple(members)]}"
-    return _made(world.new_subgroup(members, timeout, name=name))
+    if not use_local_synchronization:
+        return _made(world.new_subgroup(members, timeout))
+    if world.ranks[world.rank] not in members:
+        return None
+    return _made(world.new_subgroup(members, timeout, name=_name("local", members)))
+
+
+def _name(kind: str, members: Sequence[int]) -> str:
+    """The name of a group that only its members make: its kind, its ranks, and how many such groups of
+    these ranks this process has made since init (its members count alike)."""
+    key = (kind, *members)
+    named_groups[key] += 1
+    return f"shoal:{kind}:{','.join(map(str, members))}:{named_groups[key]}"
 
 
 def _members(world: ProcessGroup, ranks: Sequence[int] | None, sort: bool) -> list[int]:
@@ -83,6 +86,8 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
                                  group_desc: str | None = None) -> tuple[ProcessGroup | None, list]:
     """One subgroup per list of global ranks (the lists must not overlap); every rank of the job calls it:
     (this rank's subgroup, or None, and all of them)."""
+    if not ranks_per_subgroup_list:
+        raise ValueError("new_subgroups_by_enumeration: give at least one list of ranks")
     seen: set[int] = set()
     for ranks in ranks_per_subgroup_list:
         if seen & set(ranks):
@@ -102,7 +107,7 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: list[list[in
                 timeout: timedelta | None = None, pg_options: object | None = None, group_desc: str | None = None,
                 backend: str | None = None) -> ProcessGroup | None:
     """Split `parent_pg` (the default group) into disjoint groups given by *group* ranks of the parent;
-    every rank of the parent calls it. The group this rank is in, or None."""
+    every rank of the parent, and only those, calls it. The group this rank is in, or None."""
     parent = _group(parent_pg)
     if not split_ranks:
         raise ValueError("split_group: split_ranks must list at least one group of the parent's ranks")
@@ -110,11 +115,15 @@ def split_group(parent_pg: ProcessGroup | None = None, split_ranks: list[list[in
         raise ValueError(f"split_group: backend {backend!r} differs from the parent's ({parent.backend!r})")
     if pg_options is not None:
         raise ValueError("split_group: pg_options are options of torch's own backends; shoal's take none")
+    every = [r for part in split_ranks for r in part]
+    if len(set(every)) != len(every) or any(not 0 <= r < parent.size for r in every):
+        raise ValueError(f"split_group: split_ranks={split_ranks} must be disjoint lists of the parent's ranks "
+                         f"(0..{parent.size - 1})")
     mine = None
     for part in split_ranks:
-        if any(not 0 <= r < parent.size for r in part):
-            raise ValueError(f"split_group: {part} holds ranks outside the parent's 0..{parent.size - 1}")
-        subgroup = parent.new_subgroup([parent.ranks[r] for r in part], timeout)
+        members = [parent.ranks[r] for r in part]
+        # Only the parent's ranks call it: a name keeps the ranks outside the parent out of the count.
+        subgroup = parent.new_subgroup(members, timeout, name=_name(f"split{list(parent.ranks)}", members))
         if subgroup is not None:
             _subgroups.append(subgroup)
             mine = subgroup
@@ -125,7 +134,11 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None,
                  pg_options: object | None = None) -> ProcessGroup:
     """A new group of `group`'s ranks but the excluded ones (group ranks), which only the remaining ranks
     call: the way on after losing peers. The default group cannot be shrunk here (torch would renumber the
-    job's ranks); shrink a subgroup, or let `LiveTraining` re-form the job."""
+    job's ranks); shrink a subgroup, or let `LiveTraining` re-form the job. Operations in flight on the
+    parent are not aborted (SHRINK_ABORT is refused)."""
+    if shrink_flags != SHRINK_DEFAULT or pg_options is not None:
+        raise ValueError(f"shrink_group: shrink_flags={shrink_flags} and pg_options={pg_options!r}: shoal takes "
+                         f"SHRINK_DEFAULT and no options (it cannot abort the parent's operations in flight)")
     if group is None or _group(group) is _group(None):
         raise ValueError("shrink_group: shoal shrinks subgroups only; the default group's ranks stay the job's "
                          "(LiveTraining re-forms the job after a loss)")
@@ -139,9 +152,7 @@ def shrink_group(ranks_to_exclude: list[int], group: ProcessGroup | None = None,
     if len(excluded) == parent.size:
         raise ValueError("shrink_group: that excludes every rank")
     remaining = [r for i, r in enumerate(parent.ranks) if i not in excluded]
-    _named[tuple(remaining)] += 1
-    return _made(parent.new_subgroup(remaining, name=f"shoal:{','.join(map(str, remaining))}:"
-                                                    f"{_named[tuple(remaining)]}"))
+    return _made(parent.new_subgroup(remaining, name=_name("shrink", remaining)))
 
 
 def get_process_group_ranks(group: ProcessGroup | None) -> list[int]:

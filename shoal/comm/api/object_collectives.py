@@ -14,7 +14,7 @@ from shoal.comm.api.world import _group, members_only, root
 from shoal.comm.backends.group import ProcessGroup
 
 
-@members_only
+@members_only()
 def broadcast_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
                           device: torch.device | None = None, group_src: int | None = None) -> None:
     """`src`'s objects, pickled, in every rank's `object_list`."""
@@ -22,19 +22,19 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
     objects.broadcast_object_list(group, object_list, root(group, src, group_src, "src", default=0), device=device)
 
 
-@members_only
+@members_only()
 def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
     objects.all_gather_object(_group(group), object_list, obj)
 
 
-@members_only
+@members_only()
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
                   group: ProcessGroup | None = None, group_dst: int | None = None) -> None:
     group = _group(group)
     objects.gather_object(group, obj, object_gather_list, root(group, dst, group_dst, "dst", default=0))
 
 
-@members_only
+@members_only()
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
                         src: int | None = None, group: ProcessGroup | None = None,
                         group_src: int | None = None) -> None:
@@ -43,7 +43,7 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
                                 root(group, src, group_src, "src", default=0))
 
 
-@members_only
+@members_only()
 def send_object_list(object_list: list[Any], dst: int | None = None, group: ProcessGroup | None = None,
                      device: torch.device | None = None, group_dst: int | None = None, use_batch: bool = False) -> None:
     """Send `object_list` to `dst`, whose `recv_object_list` takes a list of the same length.
@@ -52,7 +52,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: Proc
     objects.send_object_list(group, object_list, root(group, dst, group_dst, "dst"), device=device)
 
 
-@members_only
+@members_only(outside=-1)
 def recv_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
                      device: torch.device | None = None, group_src: int | None = None, use_batch: bool = False) -> int:
     """Fill `object_list` with what `src` sent with `send_object_list`; returns `src`, as torch returns the

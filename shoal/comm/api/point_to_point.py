@@ -14,14 +14,14 @@ from shoal.comm.backends.group import ProcessGroup
 from shoal.comm.backends.work import Work
 
 
-@members_only
+@members_only()
 def send(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_dst: int | None = None) -> None:
     group = _group(group)
     group.send(tensor, root(group, dst, group_dst, "dst"), tag, async_op=False).wait()
 
 
-@members_only
+@members_only(outside=-1)
 def recv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_src: int | None = None) -> int:
     """Receive into `tensor` from `src`; returns `src`, as torch's recv returns the sender."""
@@ -31,14 +31,14 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | Non
     return src
 
 
-@members_only
+@members_only()
 def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
           group_dst: int | None = None) -> Work:
     group = _group(group)
     return group.send(tensor, root(group, dst, group_dst, "dst"), tag)
 
 
-@members_only
+@members_only()
 def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
           group_src: int | None = None) -> Work:
     group = _group(group)

@@ -4,6 +4,7 @@ torch.distributed, so a script moves over by changing its import."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import warnings
@@ -28,6 +29,10 @@ T = TypeVar("T")
 
 _world: ProcessGroup | None = None  # what shoal's init made (a world torch's init made is torch_world.shared())
 _subgroups: list[ProcessGroup] = []
+# How many named subgroups of each member list this process has made since init: the members of a group
+# that only they create (new_group with use_local_synchronization, shrink_group, split_group) count alike,
+# so the count tells apart two groups of the same ranks.
+named_groups: collections.Counter[tuple[str | int, ...]] = collections.Counter()
 default_pg_timeout = DEFAULT_TIMEOUT  # torch's name for the timeout a group gets when given none
 
 
@@ -111,7 +116,7 @@ def _joined(store: tdist.Store | None, init_method: str, rank: int, world_size: 
         store, rank, world_size = next(rendezvous.rendezvous(init_method, rank, world_size, timeout=timeout))
     elif None in known:
         raise ValueError("init_process_group(store=...) needs rank= and world_size=")
-    joined = rendezvous.join_store(Store(store), ("store", id(store)), rank, world_size, timeout)
+    joined = rendezvous.join_store(Store(store), None, rank, world_size, timeout)
     return joined, rank, world_size, rendezvous.store_host(store)
 
 
@@ -122,6 +127,8 @@ def destroy_process_group(group: ProcessGroup | TorchGroup | None = None) -> Non
     if isinstance(group, TorchGroup):
         tdist.destroy_process_group(group)  # torch's own registry lets go of it too
         return
+    if isinstance(group, int) and group == GroupMember.NON_GROUP_MEMBER:
+        return  # a group this rank is not in, as torch takes it
     if group is not None and group is not _world:
         group.shutdown()
         if group in _subgroups:
@@ -130,6 +137,7 @@ def destroy_process_group(group: ProcessGroup | TorchGroup | None = None) -> Non
     for sub in _subgroups:
         sub.shutdown()
     _subgroups.clear()
+    named_groups.clear()
     if _world is not None:
         world, _world = _world, None
         if world.backend == "shoal":
@@ -159,21 +167,25 @@ def _group(group: ProcessGroup | tdist.ProcessGroup | None) -> ProcessGroup:
     return _world if _world is not None else torch_world.shared()
 
 
-def members_only(fn: Callable[..., T], outside: object = None) -> Callable[..., T]:
-    """`fn`, which takes `group`, made to warn and return `outside` on a rank that `new_group` left out of
-    the group (given GroupMember.NON_GROUP_MEMBER), as torch's functions do."""
-    position = list(inspect.signature(fn).parameters).index("group")
+def members_only(outside: object = None) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """A function that takes `group`, made to warn and return `outside` on a rank that `new_group` left out
+    of the group (given GroupMember.NON_GROUP_MEMBER), as torch's functions do."""
 
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        given = args[position] if len(args) > position else kwargs.get("group")
-        if isinstance(given, int) and given == GroupMember.NON_GROUP_MEMBER:
-            warnings.warn(f"{fn.__name__} on global rank {get_rank()}, which is not a member of the given group: "
-                          f"nothing to do", stacklevel=2)
-            return outside
-        return fn(*args, **kwargs)
+    def decorate(fn: Callable[..., T]) -> Callable[..., T]:
+        position = list(inspect.signature(fn).parameters).index("group")
 
-    return call
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            given = args[position] if len(args) > position else kwargs.get("group")
+            if isinstance(given, int) and given == GroupMember.NON_GROUP_MEMBER:
+                warnings.warn(f"{fn.__name__} on global rank {get_rank()}, which is not a member of the given "
+                              f"group: nothing to do", stacklevel=2)
+                return outside
+            return fn(*args, **kwargs)
+
+        return call
+
+    return decorate
 
 
 def root(group: ProcessGroup, global_rank: int | None, group_rank: int | None, role: str,

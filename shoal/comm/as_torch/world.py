@@ -101,8 +101,10 @@ def _create(options, _backend_options) -> TorchGroup:
                                    f"but this process's shoal world is rank {_world.rank} of {_world.size}")
             return _made(TorchGroup(_world, release=lambda: None))  # shoal's destroy takes it down
         timeline.start_from_environment()
-        world = ShoalProcessGroup.create(Store(options.store), options.group_rank, options.group_size,
-                                         options.timeout, store_host(options.store))
+        store = Store(options.store)
+        world = ShoalProcessGroup.create(store, options.group_rank, options.group_size, options.timeout,
+                                         store_host(options.store))
+        world.store = store
         try:
             observing.observe(world)
         except BaseException:

@@ -152,13 +152,13 @@ class C10dProcessGroup(ProcessGroup):
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def _wrap(self, name: str, work, then: Callable[[], None] = lambda: None, *, peer: int | None = None,
-              tag: int | None = None) -> Work:
+              tag: int | None = None, timeout: timedelta | None = None) -> Work:
         """Our Work for torch's; its flight entry and span run from now until completion is seen. A send
         or receive (`name` "send" or "recv") names its `peer` (a global rank) and `tag`."""
         if self._recent is not None:
             self._recent.append(work)
         label = name if peer is None else f"{name} {'to' if name == 'send' else 'from'} rank {peer}"
-        wrapped = _TorchWork(label, self.timeout, work, then)
+        wrapped = _TorchWork(label, timeout or self.timeout, work, then)
         seq = next(self._issued[None if peer is None else (name, peer, tag)])
         wrapped.flight = recorder.record(self._name, self.ranks, seq, name, label, 0, peer=peer, tag=tag)
         wrapped.running({"group": self._name, "seq": seq, "algorithm": self.backend})
@@ -229,10 +229,12 @@ class C10dProcessGroup(ProcessGroup):
 
         return self._wrap("all_to_all", work, unpack)
 
-    def _start_barrier(self, blocking: bool) -> Work:
+    def _start_barrier(self, blocking: bool, timeout: timedelta | None = None) -> Work:
         # NCCL would otherwise guess the GPU from the rank, which is wrong in a subgroup.
-        device = {"device": self.device} if self.backend == "nccl" else {}
-        return self._wrap("barrier", self._engine.barrier(_options(BarrierOptions, **device)))
+        fields = {"device": self.device} if self.backend == "nccl" else {}
+        if timeout is not None:
+            fields["timeout"] = timeout
+        return self._wrap("barrier", self._engine.barrier(_options(BarrierOptions, **fields)), timeout=timeout)
 
     def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work:
         work = self._engine.send([staged(tensor, self._host_only)[0]], dst, tag)

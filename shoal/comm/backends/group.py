@@ -139,8 +139,9 @@ class ProcessGroup(abc.ABC):
         return self.all_to_all(outs, _split(tensor.contiguous(), input_split_sizes, self.size, "all_to_all_single"),
                                 async_op=async_op)
 
-    def barrier(self, *, async_op: bool = True) -> Work:
-        return self._start_barrier(blocking=not async_op)
+    def barrier(self, *, async_op: bool = True, timeout: timedelta | None = None) -> Work:
+        """Wait for every rank; `timeout` replaces the group's for this one barrier (longer or shorter)."""
+        return self._start_barrier(blocking=not async_op, timeout=timeout)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, async_op: bool = True) -> Work:
         _check_tensor(tensor, "send")
@@ -202,7 +203,7 @@ class ProcessGroup(abc.ABC):
     def _start_all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], blocking: bool) -> Work: ...
 
     @abc.abstractmethod
-    def _start_barrier(self, blocking: bool) -> Work: ...
+    def _start_barrier(self, blocking: bool, timeout: timedelta | None = None) -> Work: ...
 
     @abc.abstractmethod
     def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work: ...

@@ -168,15 +168,17 @@ class ShoalProcessGroup(ProcessGroup):
 
     def _collective(self, name: str, tensor: torch.Tensor | None, body: Callable[[_OpChannel], None], *,
                     redop: int = 0, root: int = 0, numel: int | None = None,
-                    finish: Callable[[], None] = lambda: None, blocking: bool = False) -> Work:
+                    finish: Callable[[], None] = lambda: None, blocking: bool = False,
+                    timeout: timedelta | None = None) -> Work:
         dtype = dtypes.code(tensor.dtype, f"{name} on the shoal backend") if tensor is not None else 0
         count = numel if numel is not None else (tensor.numel() if tensor is not None else 0)
         sig = (_OPS.index(name), dtype, int(redop), root, count)
-        work = Work(name, self.timeout)
+        timeout = timeout or self.timeout
+        work = Work(name, timeout)
         nbytes = count * tensor.element_size() if tensor is not None else 0
 
         def run() -> None:
-            op = Op(self._group_id, -1, seq, sig, self.ranks, self.timeout, name, describe, deadline=work.deadline)
+            op = Op(self._group_id, -1, seq, sig, self.ranks, timeout, name, describe, deadline=work.deadline)
             traced = {"bytes": nbytes, "group": self._group_id, "seq": seq}
             on_timeline = work.running(traced) is not None
             if self._broken is not None:
@@ -276,8 +278,8 @@ class ShoalProcessGroup(ProcessGroup):
         return self._collective("all_to_all", blocks[0], self._over_ring(ring.all_to_all, flats, blocks),
                                 numel=0, finish=_all(back for _, back in staged), blocking=blocking)
 
-    def _start_barrier(self, blocking: bool) -> Work:
-        return self._collective("barrier", None, self._routed(routing.barrier), blocking=blocking)
+    def _start_barrier(self, blocking: bool, timeout: timedelta | None = None) -> Work:
+        return self._collective("barrier", None, self._routed(routing.barrier), blocking=blocking, timeout=timeout)
 
     # ---- point to point ----------------------------------------------------------------------
 
