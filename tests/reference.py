@@ -1,7 +1,9 @@
 """Inputs whose reductions are exact in every dtype and order, the reference result of a reduction
-computed locally, and the comparison collectives are tested with."""
+computed locally, and the comparisons collectives are tested with."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -36,3 +38,15 @@ def reference(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
 def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{got.shape} vs {want.dtype}"
     assert torch.equal(got, want), f"{what}: first differences {got[got != want][:5]} vs {want[got != want][:5]}"
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two results (tensors, in lists, tuples and dicts, or plain values) are equal to the bit, dtype
+    and container type included: shoal's and torch's outcome of the same calls."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b

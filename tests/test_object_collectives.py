@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.ranks import run_ranks
+from tests.reference import same
 
 
 def _objects_of(rank: int) -> list[Any]:
@@ -51,16 +52,6 @@ def _shoal_and_torch(rank: int, world: int, torch_port: int) -> tuple[dict[str, 
     return ours, theirs
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_object_collectives_leave_what_torch_distributed_leaves(world: int) -> None:
     from shoal.ports import free_port
@@ -68,7 +59,7 @@ def test_object_collectives_leave_what_torch_distributed_leaves(world: int) -> N
     outcomes = run_ranks(_shoal_and_torch, world, free_port(), timeout=90)
     for rank, (ours, theirs) in outcomes.items():
         for name in ours:
-            assert _same(ours[name], theirs[name]), f"rank {rank}, {name}: shoal {ours[name]!r} torch {theirs[name]!r}"
+            assert same(ours[name], theirs[name]), f"rank {rank}, {name}: shoal {ours[name]!r} torch {theirs[name]!r}"
     assert outcomes[0][0]["gather"][2 % world] is not None  # the dst really holds every rank's objects
 
 

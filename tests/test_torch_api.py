@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.ranks import run_ranks
+from tests.reference import same
 
 
 def _tensors(rank: int, world: int, dist: Any) -> dict[str, Any]:
@@ -153,16 +154,6 @@ def _shoal_and_torch(rank: int, world: int, torch_port: int) -> tuple[dict[str, 
     return ours, theirs
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_shoal_distributed_leaves_what_torch_distributed_leaves(world: int) -> None:
     from shoal.ports import free_port
@@ -171,7 +162,7 @@ def test_shoal_distributed_leaves_what_torch_distributed_leaves(world: int) -> N
     for rank, (ours, theirs) in outcomes.items():
         for family in ours:
             for name in ours[family]:
-                assert _same(ours[family][name], theirs[family][name]), \
+                assert same(ours[family][name], theirs[family][name]), \
                     f"rank {rank}, {name}: shoal {ours[family][name]!r} torch {theirs[family][name]!r}"
         assert ours["_groups"]["outside is NON_GROUP_MEMBER"] == (rank == 0)
     assert outcomes[1][0]["_point_to_point"]["recv_object_list"][0] == {"from": 0}
