@@ -99,7 +99,7 @@ def _pipeline_step(variant: str, rank: int, module, m: int, batch, native):
     x, y = batch
     _count_forwards(module)
     if variant.startswith("shoal"):
-        stage = spp.PipelineStage(module, rank, STAGES, group=native)
+        stage = spp.PipelineStage(module, rank, STAGES, torch.device("cpu"), group=native)
         kind = spp.ScheduleGPipe if "GPipe" in variant else spp.Schedule1F1B
     else:
         stage = tpp.PipelineStage(module, rank, STAGES, torch.device("cpu"))

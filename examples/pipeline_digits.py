@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> None:
                           nn.Linear(128, 10))
     reference = copy.deepcopy(model)  # the unsplit model, trained on the last rank for comparison
     part = split_sequential(model, world)[rank]
-    stage = PipelineStage(part, rank, world)
+    stage = PipelineStage(part, rank, world, torch.device("cpu"))
     train = SCHEDULES[args.schedule](stage, args.microbatches, loss_fn=nn.functional.cross_entropy)
     evaluate = ScheduleGPipe(stage, args.microbatches)  # no loss_fn: forward only
     optimizer = torch.optim.SGD(part.parameters(), lr=args.lr, momentum=0.9)
@@ -54,7 +54,11 @@ def run(args: argparse.Namespace) -> None:
                 rows = [len(chunk) for chunk in torch.tensor_split(y, args.microbatches)]
                 epoch_loss += sum(loss.item() * n for loss, n in zip(losses, rows, strict=True))
                 reference_optimizer.zero_grad()
-                nn.functional.cross_entropy(reference(x), y).backward()
+                # What a schedule's gradients are the gradient of: the mean of the micro-batches' mean losses
+                # (the batch's mean loss, except for a last batch that the micro-batches do not divide).
+                chunks = zip(torch.tensor_split(x, args.microbatches), torch.tensor_split(y, args.microbatches),
+                             strict=True)
+                torch.stack([nn.functional.cross_entropy(reference(cx), cy) for cx, cy in chunks]).mean().backward()
                 reference_optimizer.step()
             else:
                 train.step()

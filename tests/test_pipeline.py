@@ -1,6 +1,7 @@
 """Pipeline parallelism: GPipe and 1F1B give the unsplit model's losses, outputs and gradients (float64,
 batches that micro-batches do not divide, a batch size that changes), 1F1B bounds live activations,
-splitting, and errors that name the stages, on "shoal" and "gloo".
+splitting, and errors that name the stages, on "shoal" and "gloo". (Beside torch's own pipelining, and
+with several stages per rank: test_pipeline_torch.py.)
 
 Each multi-process run covers many configurations inside its workers: starting ranks costs seconds.
 """
@@ -16,13 +17,14 @@ from torch import nn
 
 import shoal
 import shoal.distributed as dist
-from shoal.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, split_sequential
+from shoal.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, split_sequential
 from tests.ranks import run_ranks
 
 BATCHES = (13, 13, 10)  # divisible by neither 3 nor 8; the smaller last batch makes stages re-describe activations
 MICROBATCHES = (1, 3, 8)
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 LR = 0.1
+CPU = torch.device("cpu")
 
 
 def _model() -> nn.Sequential:
@@ -52,13 +54,13 @@ def _sgd(module: nn.Module) -> None:
 def _train(rank: int, world: int) -> dict:
     """Every schedule and micro-batch count, three SGD steps each; what each stage saw, for the test to compare."""
     results: dict = {}
-    stage = PipelineStage(split_sequential(_model(), world)[rank], rank, world)
+    stage = PipelineStage(split_sequential(_model(), world)[rank], rank, world, CPU)
     x, _ = _batch(0, BATCHES[0])
     results["inference"] = ScheduleGPipe(stage, 3).step(*((x,) if stage.is_first else ()))  # no loss_fn
     for name, schedule_cls in SCHEDULES.items():
         for m in MICROBATCHES:
             part = split_sequential(_model(), world)[rank]
-            stage = PipelineStage(part, rank, world)
+            stage = PipelineStage(part, rank, world, CPU)
             schedule = schedule_cls(stage, m, loss_fn=nn.functional.cross_entropy)
             record: dict = {"grads": [], "losses": [], "outputs": [], "peaks": []}
             for step, size in enumerate(BATCHES):
@@ -81,16 +83,18 @@ def _run(world: int, backend: str) -> dict[int, dict]:
 
 
 @functools.cache
-def _reference() -> list[dict]:
-    """The unsplit model on the whole batch, one process, mean loss: per step its gradients, output, and
-    the parameters after the step."""
+def _reference(m: int) -> list[dict]:
+    """The unsplit model on the whole batch, one process: per step its gradients, output, and the
+    parameters after the step. Its loss is what scale_grads makes a pipeline's gradients the gradient of:
+    the mean over the m micro-batches of each one's mean loss (the batch's mean loss when m divides it)."""
     model = _model()
     steps = []
     for step, size in enumerate(BATCHES):
         x, y = _batch(step, size)
         model.zero_grad()
         out = model(x)
-        nn.functional.cross_entropy(out, y).backward()
+        rows = torch.tensor_split(torch.arange(size), m)
+        torch.stack([nn.functional.cross_entropy(out[r], y[r]) for r in rows]).mean().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         _sgd(model)
         steps.append({"x": x, "y": y, "output": out.detach(), "grads": grads,
@@ -104,11 +108,12 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize(("world", "backend"), [(2, "shoal"), (3, "shoal"), (4, "shoal"), (2, "gloo"), (3, "gloo")])
 def test_losses_outputs_and_gradients_equal_the_unsplit_model(world: int, backend: str) -> None:
-    out, reference = _run(world, backend), _reference()
+    out = _run(world, backend)
     last = out[world - 1]
-    assert _close(last["inference"], _model()(reference[0]["x"]).detach())
+    assert _close(last["inference"], _model()(_reference(1)[0]["x"]).detach())
     for name in SCHEDULES:
         for m in MICROBATCHES:
+            reference = _reference(m)
             for step, ref in enumerate(reference):
                 what = f"{name}, {m} micro-batches, step {step}"
                 rows = torch.tensor_split(torch.arange(len(ref["y"])), m)
@@ -137,7 +142,7 @@ def test_1f1b_holds_at_most_num_stages_microbatches_gpipe_holds_all(world: int) 
 
 
 def test_a_batch_size_change_between_steps_is_described_anew() -> None:
-    out, reference = _run(3, "shoal"), _reference()
+    out, reference = _run(3, "shoal"), _reference(8)
     assert BATCHES[1] != BATCHES[2]
     last = out[2]["1f1b", 8]
     assert last["outputs"][2].shape == (BATCHES[2], 3) and _close(last["outputs"][2], reference[2]["output"])
@@ -154,46 +159,49 @@ def _one_stage(rank: int) -> None:
         return
     model = _model()
     x, y = _batch(0, 13)
-    schedule = Schedule1F1B(PipelineStage(model, 0, 1, group=alone), 4, loss_fn=nn.functional.cross_entropy)
+    schedule = Schedule1F1B(PipelineStage(model, 0, 1, CPU, group=alone), 4, loss_fn=nn.functional.cross_entropy,
+                            scale_grads=False)
     out = schedule.step(x, target=y)
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
+    rows = torch.tensor_split(torch.arange(13), 4)
+    sum(nn.functional.cross_entropy(model(x[r]), y[r]) for r in rows).backward()  # scale_grads=False: the sum
     assert _close(out, model(x).detach()) and all(map(_close, grads, [p.grad for p in model.parameters()]))
 
 
 def _argument_mistakes(rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
     """Caught before anything is sent: the same schedule then runs a good step."""
     with pytest.raises(ValueError, match="num_stages=3 but the group has 2 ranks"):
-        PipelineStage(nn.Linear(2, 2), rank, 3)
-    with pytest.raises(ValueError, match=f"stage_index={1 - rank} but this process is rank {rank}"):
-        PipelineStage(nn.Linear(2, 2), 1 - rank, 2)
-    stage = PipelineStage(nn.Linear(8, 8).double(), rank, 2, group=dist.new_group([0, 1]))
-    with pytest.raises(ValueError, match="n_microbatches must be a positive int, got 0"):
+        ScheduleGPipe(PipelineStage(nn.Linear(2, 2), rank, 3, CPU), 2)
+    with pytest.raises(ValueError, match=rf"group rank {rank} of 2 runs stages \[{rank}\] of 2, but was given "
+                                         rf"stages \[{1 - rank}\]"):
+        ScheduleGPipe(PipelineStage(nn.Linear(2, 2), 1 - rank, 2, CPU), 2)
+    with pytest.raises(ValueError, match="stage_index=2 with num_stages=2"):
+        PipelineStage(nn.Linear(2, 2), 2, 2, CPU)
+    stage = PipelineStage(nn.Linear(8, 8).double(), rank, 2, CPU, group=dist.new_group([0, 1]))
+    with pytest.raises(ValueError, match="n_microbatches must be an int from 1 to 4096, got 0"):
         ScheduleGPipe(stage, 0)
+    with pytest.raises(ValueError, match="ScheduleInterleaved1F1B: num_stages=3 must be a multiple of the group's 2"):
+        ScheduleInterleaved1F1B([PipelineStage(nn.Linear(2, 2), rank, 3, CPU)], 4)
     schedule = ScheduleGPipe(stage, 3, loss_fn=nn.functional.mse_loss)
     if rank == 0:
-        with pytest.raises(ValueError, match="the batch has 2 rows, fewer than n_microbatches=3"):
+        with pytest.raises(ValueError, match=r"cannot cut a tensor of shape \(2, 8\) along dim 0 into 3"):
             schedule.step(x[:2])
-        with pytest.raises(ValueError, match="only the last stage"):
-            schedule.step(x, target=y)
-        with pytest.raises(ValueError, match="the first stage must pass the batch"):
+        with pytest.raises(ValueError, match="the rank with the first stage must pass the batch"):
             schedule.step()
-        schedule.step(x)
+        schedule.step(x, target=y)  # torch's rule: a target on a rank without the last stage is not used
     else:
-        with pytest.raises(ValueError, match="only the first stage"):
-            schedule.step(x, target=y)
         with pytest.raises(ValueError, match="needs target="):
             schedule.step()
-        assert schedule.step(target=y).shape == (6, 8)
+        assert schedule.step(x, target=y).shape == (6, 8)  # and so is a batch on a rank without the first
 
 
 def _corrupt_gradient(rank: int, x: torch.Tensor, y: torch.Tensor) -> str | None:
     """Stage 1 sends back float32 gradients for float64 activations; stage 0 names both stages."""
-    stage = PipelineStage(nn.Linear(8, 8).double(), rank, 2, group=dist.new_group([0, 1]))
+    stage = PipelineStage(nn.Linear(8, 8).double(), rank, 2, CPU, group=dist.new_group([0, 1]))
     schedule = ScheduleGPipe(stage, 2, loss_fn=nn.functional.mse_loss)
     if rank == 1:
-        stage.send_gradient = lambda t: PipelineStage.send_gradient(stage, t.float())
+        stage.send_gradients = lambda j, grads: PipelineStage.send_gradients(stage, j, [g.float() for g in grads])
         schedule.step(target=y)
         return None
     with pytest.raises(shoal.CollectiveMismatchError) as info:
@@ -203,7 +211,7 @@ def _corrupt_gradient(rank: int, x: torch.Tensor, y: torch.Tensor) -> str | None
 
 def _disagreement(rank: int, x: torch.Tensor, y: torch.Tensor, m: int, loss_fn) -> str | None:
     """Stage 1's schedule differs from stage 0's (forward-only, 3 micro-batches, so stage 0 just sends)."""
-    stage = PipelineStage(nn.Linear(8, 8).double(), rank, 2, group=dist.new_group([0, 1]))
+    stage = PipelineStage(nn.Linear(8, 8).double(), rank, 2, CPU, group=dist.new_group([0, 1]))
     if rank == 0:
         ScheduleGPipe(stage, 3).step(x)
         return None
@@ -223,7 +231,7 @@ def _errors(rank: int, world: int) -> dict:
     # Last: stage 0 outputs 50 features where stage 1 expects 32. Stage 1 names both stages; stage 0, waiting
     # for gradients, learns that stage 1 left (its process destroys the group on the way out).
     module = nn.Linear(8, 50) if rank == 0 else nn.Linear(32, 4)
-    schedule = Schedule1F1B(PipelineStage(module.double(), rank, 2, group=dist.new_group([0, 1])), 3,
+    schedule = Schedule1F1B(PipelineStage(module.double(), rank, 2, CPU, group=dist.new_group([0, 1])), 3,
                             loss_fn=nn.functional.mse_loss)
     with pytest.raises(shoal.PeerFailure if rank == 0 else ValueError) as info:
         schedule.step(x) if rank == 0 else schedule.step(target=torch.randn(6, 4, dtype=torch.float64))
@@ -234,11 +242,11 @@ def _errors(rank: int, world: int) -> dict:
 
 def test_mistakes_and_mismatches_raise_errors_that_name_the_stages() -> None:
     out = run_ranks(_errors, 2, timeout=60, group_timeout=30)
-    assert "stage 0 sent stage 1 the activation of micro-batch 0 of shape (3, 8) dtype float64" in out[0]["gradient"]
+    assert "stage 0 sent stage 1 the activations of micro-batch 0 (of shape (3, 8) dtype float64)" in out[0]["gradient"]
     assert "stage 1 has n_microbatches=4 but stage 0 has n_microbatches=3" in out[1]["n_microbatches"]
     assert "stage 1 has training=True but stage 0 has training=False" in out[1]["training"]
-    assert out[1]["consume"].startswith("stage 1 could not consume the activation from stage 0 of shape (2, 50) "
-                                        "dtype float64: "), out[1]["consume"]
+    assert out[1]["consume"].startswith("stage 1 could not consume the activations from stage 0 (of shape (2, 50) "
+                                        "dtype float64): "), out[1]["consume"]
     assert out[0]["failed rank"] == 1 and "left the group" in out[0]["consume"]
 
 
@@ -252,7 +260,7 @@ def _die_mid_step(rank: int, world: int) -> tuple[str, int | None, str]:
                 os._exit(1)  # a crash: no goodbye, the connections just drop
             return x
 
-    stage = PipelineStage(nn.Sequential(nn.Linear(4, 4), DieOnSecondMicrobatch()), rank, world)
+    stage = PipelineStage(nn.Sequential(nn.Linear(4, 4), DieOnSecondMicrobatch()), rank, world, CPU)
     schedule = Schedule1F1B(stage, 4, loss_fn=nn.functional.mse_loss)
     x = torch.randn(8, 4)
     with pytest.raises(shoal.PeerFailure) as info:
