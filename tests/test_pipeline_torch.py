@@ -1,7 +1,7 @@
 """shoal.pipeline beside torch.distributed.pipelining: the same program (stages passing two tensors, a
 chunked keyword argument, losses, eval, scale_grads both ways) gives the same outputs, losses and
-gradients on torch (gloo) and on shoal, for every schedule, one stage per rank and several; and each
-schedule's order per rank is torch's, and cannot deadlock.
+gradients on torch (gloo) and on shoal, for every schedule: one stage per rank, several looped, two in a
+V, backwards whole or split in halves; and each schedule's order per rank is torch's, and cannot deadlock.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _train(rank: int, world: int, pp: Any, schedule: str, per_rank: int, m: int,
     num_stages = world * per_rank
     torch.manual_seed(0)
     modules = [Head().double()] + [Middle().double() for _ in range(num_stages - 2)] + [Tail().double()]
-    mine = [s for s in range(num_stages) if s % world == rank]
+    mine = _stages_of(schedule, rank, world, per_rank)
     stages = [pp.PipelineStage(modules[s], s, num_stages, CPU) for s in mine]
     run = getattr(pp, schedule)(stages[0] if per_rank == 1 else stages, m, loss_fn=nn.functional.cross_entropy,
                                 scale_grads=scale)
@@ -70,7 +70,7 @@ def _train(rank: int, world: int, pp: Any, schedule: str, per_rank: int, m: int,
         x, mask, y = _batch(step)
         losses: list = []
         args, kwargs = ((x,), {"mask": mask}) if first else ((), {})
-        call = run.eval if step == 2 else run.step
+        call = run.eval if step == 2 and schedule not in V_SHAPED else run.step  # torch's eval fails on a V
         out = call(*args, **kwargs, **({"target": y, "losses": losses} if last else {}))
         grads = {f"{s}.{n}": p.grad.clone() for s in mine for n, p in modules[s].named_parameters()
                  if p.grad is not None}
@@ -109,10 +109,20 @@ def _assert_close(a: Any, b: Any, where: str) -> None:
         assert a == b, f"{where}: {a!r} {b!r}"
 
 
+def _stages_of(schedule: str, rank: int, ranks: int, per_rank: int) -> list[int]:
+    if schedule in V_SHAPED:
+        return [rank, 2 * ranks - 1 - rank]
+    return [s for s in range(ranks * per_rank) if s % ranks == rank]
+
+
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 CASES = {
     2: [("ScheduleGPipe", 1, 4, True), ("Schedule1F1B", 1, 3, False), ("ScheduleInterleaved1F1B", 2, 4, True),
-        ("ScheduleInterleaved1F1B", 3, 2, False), ("ScheduleLoopedBFS", 2, 4, True)],
-    3: [("Schedule1F1B", 1, 4, True), ("ScheduleInterleaved1F1B", 2, 6, True)],
+        ("ScheduleInterleaved1F1B", 3, 2, False), ("ScheduleLoopedBFS", 2, 4, True),
+        ("ScheduleInterleavedZeroBubble", 2, 4, True), ("ScheduleZBVZeroBubble", 2, 3, True),
+        ("ScheduleDualPipeV", 2, 6, False)],
+    3: [("Schedule1F1B", 1, 4, True), ("ScheduleInterleaved1F1B", 2, 6, True),
+        ("ScheduleInterleavedZeroBubble", 2, 3, True), ("ScheduleZBVZeroBubble", 2, 6, True)],
 }
 
 
@@ -124,7 +134,7 @@ def test_every_schedule_trains_as_torchs_pipelining_does(world: int) -> None:
     for rank, (ours, theirs) in outcomes.items():
         for case, mine, torchs in zip(CASES[world], ours, theirs, strict=True):
             _assert_close(mine, torchs, f"rank {rank}, {case}")
-    last_rank = (world * CASES[world][0][1] - 1) % world
+    last_rank = world - 1 if CASES[world][0][1] == 1 else 0
     assert outcomes[last_rank][0][0][0]["out"].shape == (12, 3)  # the last stage's merged output is there
 
 
@@ -155,6 +165,41 @@ def test_stages_that_follow_each_other_on_one_rank_hand_over_directly() -> None:
     assert len(record[0]["losses"]) == 4
 
 
+def _zero_bubble_alone(rank: int, world: int) -> dict:
+    """ZB-V on one rank (its two stages hand over locally): the split backward gives the full backward's
+    gradients, and a stage with a dw_builder has its runner built at each input half and run at its
+    weight half, as torch's contract says."""
+    import shoal.pipeline as shoal_pp
+
+    torch.manual_seed(0)
+    head, tail = Head().double(), Tail().double()
+    calls: list[str] = []
+
+    def dw_builder():
+        calls.append("built")
+        return lambda: calls.append("ran")
+
+    stages = [shoal_pp.PipelineStage(head, 0, 2, CPU), shoal_pp.PipelineStage(tail, 1, 2, CPU, dw_builder=dw_builder)]
+    schedule = shoal_pp.ScheduleZBVZeroBubble(stages, 3, loss_fn=nn.functional.cross_entropy)
+    x, mask, y = _batch(0)
+    schedule.step(x, mask=mask, target=y)
+    got = [p.grad.clone() for p in head.parameters()]
+    head.zero_grad()
+    rows = torch.tensor_split(torch.arange(12), 3)
+    torch.stack([nn.functional.cross_entropy(tail(*head(x[r], mask[r])), y[r]) for r in rows]).mean().backward()
+    evaluated = schedule.eval(x, mask=mask)
+    return {"got": got, "want": [p.grad for p in head.parameters()], "calls": calls,
+            "eval": torch.allclose(evaluated, tail(*head(x, mask))), "order": schedule._order()}
+
+
+def test_zero_bubble_halves_add_up_and_a_dw_builder_runs_at_the_weight_half() -> None:
+    out = run_ranks(_zero_bubble_alone, 1, timeout=60)[0]
+    for got, want in zip(out["got"], out["want"], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert [kind for kind, s, _ in out["order"] if s == 1 and kind in "IW"] == ["I", "W"] * 3
+    assert out["calls"] == ["built", "ran"] * 3 and out["eval"]
+
+
 # ---- orders ----------------------------------------------------------------------------------------
 
 
@@ -163,14 +208,15 @@ def _torch_order(name: str, ranks: int, per_rank: int, m: int, rank: int) -> lis
     from torch.distributed.pipelining import schedules
 
     state = types.SimpleNamespace(n_local_stages=per_rank, pp_group_size=ranks, _n_microbatches=m,
-                                  _stages=[None] * per_rank, _num_stages=ranks * per_rank)
+                                  _stages=[None] * per_rank, _num_stages=ranks * per_rank, num_stages=ranks * per_rank)
     state.number_of_rounds = max(1, m // ranks)
     state.microbatches_per_round = m // state.number_of_rounds
     cls = getattr(schedules, name)
     actions = (cls._get_pipeline_order(state)[rank] if name == "ScheduleGPipe"
                else cls._calculate_single_rank_operations(state, rank))
-    return [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in actions
-            if a is not None and a.computation_type.value in ("F", "B")]
+    flat = [sub for a in actions if a is not None for sub in (a.sub_actions or (a,))]  # DualPipeV pairs F and B
+    return [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in flat
+            if a.computation_type.value in ("F", "B", "I", "W")]
 
 
 def _shoal_order(name: str, ranks: int, per_rank: int, m: int, rank: int) -> list[orders.Action]:
@@ -178,6 +224,12 @@ def _shoal_order(name: str, ranks: int, per_rank: int, m: int, rank: int) -> lis
         return orders.gpipe(rank, m)
     if name == "Schedule1F1B":
         return orders.one_f_one_b(rank, ranks, m)
+    if name == "ScheduleZBVZeroBubble":
+        return orders.zbv_zero_bubble(rank, ranks, m)
+    if name == "ScheduleDualPipeV":
+        return orders.dualpipe_v(rank, ranks, m)
+    if name == "ScheduleInterleavedZeroBubble":
+        return orders.interleaved_1f1b(rank, ranks, per_rank, m, zero_bubble=True)
     build = orders.interleaved_1f1b if name == "ScheduleInterleaved1F1B" else orders.looped_bfs
     return build(rank, ranks, per_rank, m)
 
@@ -192,21 +244,35 @@ def _deadlocks(per_rank_orders: list[list[orders.Action]], num_stages: int) -> b
         for rank, order in enumerate(per_rank_orders):
             while position[rank] < len(order):
                 kind, s, j = order[position[rank]]
-                needs = ([("F", s - 1, j)] if kind == "F" and s > 0 else
-                         [("F", s, j)] + ([("B", s + 1, j)] if s < num_stages - 1 else []) if kind == "B" else [])
-                if not all(need in done for need in needs):
+                if kind == "F":
+                    ready = s == 0 or ("F", s - 1, j) in done
+                elif kind == "W":
+                    ready = ("I", s, j) in done
+                else:  # a backward, whole or its input half, needs the next stage's
+                    ready = ("F", s, j) in done and (s == num_stages - 1 or ("B", s + 1, j) in done)
+                if not ready:
                     break
-                done.add(order[position[rank]])
+                done.add(("B", s, j) if kind == "I" else (kind, s, j))
+                done.add((kind, s, j))
                 position[rank] += 1
                 progress = True
     return any(position[rank] < len(order) for rank, order in enumerate(per_rank_orders))
 
 
-GRID = [(name, ranks, per_rank, m) for name, per_ranks in (("ScheduleGPipe", (1,)), ("Schedule1F1B", (1,)),
-                                                            ("ScheduleInterleaved1F1B", (2, 3)),
-                                                            ("ScheduleLoopedBFS", (1, 2, 3)))
-        for ranks in (1, 2, 3, 4) for per_rank in per_ranks for m in (1, 2, 3, 4, 6, 8, 12)
-        if name != "ScheduleInterleaved1F1B" or m % max(1, m // ranks) == 0]
+STAGES_PER_RANK = {"ScheduleGPipe": (1,), "Schedule1F1B": (1,), "ScheduleInterleaved1F1B": (2, 3),
+                   "ScheduleLoopedBFS": (1, 2, 3), "ScheduleInterleavedZeroBubble": (2, 3),
+                   "ScheduleZBVZeroBubble": (2,), "ScheduleDualPipeV": (2,)}
+
+
+def _allowed(name: str, ranks: int, m: int) -> bool:
+    """The micro-batch counts a schedule takes: whole rounds for the interleaved ones, m >= stages for DualPipeV."""
+    if "Interleaved" in name:
+        return m % max(1, m // ranks) == 0
+    return name != "ScheduleDualPipeV" or m >= 2 * ranks
+
+
+GRID = [(name, ranks, per_rank, m) for name, per_ranks in STAGES_PER_RANK.items() for ranks in (1, 2, 3, 4)
+        for per_rank in per_ranks for m in (1, 2, 3, 4, 6, 8, 12) if _allowed(name, ranks, m)]
 
 
 @pytest.mark.parametrize(("name", "ranks", "per_rank", "m"), GRID)
@@ -215,9 +281,12 @@ def test_orders_are_torchs_and_never_deadlock(name: str, ranks: int, per_rank: i
     if name != "Schedule1F1B":  # torch's 1F1B runs its order in code; its order table for display has slips
         assert ours == [_torch_order(name, ranks, per_rank, m, rank) for rank in range(ranks)]
     num_stages = ranks * per_rank
-    every = {(kind, s, j) for kind in "FB" for s in range(num_stages) for j in range(m)}
-    assert sorted(a for order in ours for a in order) == sorted(every)  # each action once, on its stage's rank
-    assert all(s % ranks == rank for rank, order in enumerate(ours) for _, s, _ in order)
+    # Each forward once, and each backward once: whole, or both halves.
+    done = [("B", s, j) if kind == "I" else (kind, s, j) for order in ours for kind, s, j in order if kind != "W"]
+    assert sorted(done) == sorted((kind, s, j) for kind in "FB" for s in range(num_stages) for j in range(m))
+    halves = sorted((s, j) for order in ours for kind, s, j in order if kind == "I")
+    assert halves == sorted((s, j) for order in ours for kind, s, j in order if kind == "W")
+    assert all(s in _stages_of(name, rank, ranks, per_rank) for rank, order in enumerate(ours) for _, s, _ in order)
     assert not _deadlocks(ours, num_stages)
 
 
@@ -231,3 +300,5 @@ def test_the_deadlock_check_can_fail() -> None:
 def test_interleaved_1f1b_refuses_micro_batches_its_rounds_do_not_divide() -> None:
     with pytest.raises(ValueError, match="n_microbatches=5 must be a multiple of the number of rounds 2"):
         orders.interleaved_1f1b(0, 2, 2, 5)
+    with pytest.raises(ValueError, match="n_microbatches=3 must be at least the number of stages 4"):
+        orders.dualpipe_v(0, 2, 3)

@@ -1,8 +1,10 @@
 """The order in which each rank runs its stages' forwards and backwards, for every schedule: pure functions
 of (ranks, stages per rank, micro-batches, rank), the same orders torch.distributed.pipelining runs.
 
-An action is (kind, stage, micro-batch): "F" a forward, "B" a full backward. Within one stage every
-schedule runs the forwards in micro-batch order; LoopedBFS runs the backwards in reverse.
+An action is (kind, stage, micro-batch): "F" a forward, "B" a full backward, or its two halves for the
+zero-bubble schedules, "I" the gradients of the stage's inputs and "W" later those of its weights.
+Within one stage every schedule runs the forwards in micro-batch order; LoopedBFS runs the backwards in
+reverse.
 """
 
 from __future__ import annotations
@@ -33,19 +35,128 @@ def looped_bfs(rank: int, ranks: int, local_stages: int, m: int) -> list[Action]
     return forwards + [("B", s, j) for s in reversed(stages) for j in reversed(range(m))]
 
 
-def interleaved_1f1b(rank: int, ranks: int, local_stages: int, m: int) -> list[Action]:
+def interleaved_1f1b(rank: int, ranks: int, local_stages: int, m: int, *, zero_bubble: bool = False) -> list[Action]:
     """Depth first (Narayanan et al. 2021): micro-batches go through this rank's stages in rounds of
-    `ranks` (or fewer), warm-up forwards fill the pipeline, then forwards and backwards alternate."""
+    `ranks` (or fewer), warm-up forwards fill the pipeline, then forwards and backwards alternate.
+
+    With `zero_bubble` (ZB1P, Qi et al. 2024): one warm-up forward fewer per later rank, backwards split
+    in two, and each rank r defers the weight halves of its first r backwards to the end."""
     rounds = max(1, m // ranks)
     if m % rounds:
-        raise ValueError(f"ScheduleInterleaved1F1B: n_microbatches={m} must be a multiple of the number of rounds "
-                         f"{rounds} (n_microbatches // pp group size, at least 1)")
+        raise ValueError(f"n_microbatches={m} must be a multiple of the number of rounds {rounds} "
+                         f"(n_microbatches // pp group size, at least 1)")
     per_round, total, v = m // rounds, m * local_stages, local_stages
-    warmup = min((v - 1) * per_round + 2 * (ranks - 1 - rank), total)
+    warmup = min((v - 1) * per_round + (1 if zero_bubble else 2) * (ranks - 1 - rank), total)
     forwards = _numbered("F", [((k // per_round) % v) * ranks + rank for k in range(total)])
-    backwards = _numbered("B", [(v - 1 - (k // per_round) % v) * ranks + rank for k in range(total)])
-    steady = [action for k in range(total - warmup) for action in (forwards[warmup + k], backwards[k])]
-    return forwards[:warmup] + steady + backwards[total - warmup:]
+    backward_stages = [(v - 1 - (k // per_round) % v) * ranks + rank for k in range(total)]
+    backwards = _numbered("I" if zero_bubble else "B", backward_stages)
+    weights = _numbered("W", backward_stages) if zero_bubble else []
+    order = forwards[:warmup]
+    for k in range(total):
+        if k < total - warmup:
+            order.append(forwards[warmup + k])
+        order.append(backwards[k])
+        if zero_bubble and k >= rank:
+            order.append(weights[k - rank])
+    return order + weights[max(0, total - rank):]
+
+
+def zbv_zero_bubble(rank: int, ranks: int, m: int) -> list[Action]:
+    """ZB-V (Qi et al. 2024, section 6): two stages per rank in a V, stage `rank` on the way down and
+    stage 2*ranks-1-rank on the way back, backwards split in two. Built as if there were at least
+    2*ranks-1 micro-batches, then the actions of micro-batches that do not exist are dropped."""
+    n = max(2 * ranks - 1, m)
+    down, up = rank, 2 * ranks - 1 - rank
+    build = _Builder()
+    for _ in range(2 * (ranks - rank) - 1):
+        build.add("F", down)
+    for _ in range(rank):
+        build.add("F", up)
+        build.add("F", down)
+    for _ in range(ranks - rank):
+        build.add("F", up)
+        build.add("I", up)
+        build.add("W", up)
+    while build.count("F", up) < build.count("F", down) or build.count("F", down) < n:
+        if build.count("F", down) < n:
+            build.add("F", down)
+        for kind, stage in (("I", down), ("W", down), ("F", up), ("I", up), ("W", up)):
+            build.add(kind, stage)
+    for _ in range(rank):
+        build.add("I", down)
+        build.add("I", up)
+    for _ in range(ranks - rank):
+        build.add("I", down)
+        build.add("W", down)
+    while build.count("W", up) < build.count("I", up):
+        build.add("W", up)
+    while build.count("W", down) < build.count("I", down):
+        build.add("W", down)
+    return [action for action in build.actions if action[2] < m]
+
+
+def dualpipe_v(rank: int, ranks: int, m: int) -> list[Action]:
+    """DualPipeV (DeepSeek-AI 2024, its V-shaped variant): the same V of stages; in the steady state a
+    forward on one leg goes with a full backward on the other (run one after the other here), and
+    the last backwards split, their weight halves filling the drain."""
+    if m < 2 * ranks:
+        raise ValueError(f"n_microbatches={m} must be at least the number of stages {2 * ranks}")
+    down, up = rank, 2 * ranks - 1 - rank
+    build = _Builder(weights_queued=True)
+    for _ in range(2 * (ranks - rank - 1)):
+        build.add("F", down)
+    for _ in range(rank + 1):
+        build.add("F", down)
+        build.add("F", up)
+    for _ in range(ranks - rank - 1):
+        build.add("I", up)
+        build.next_weight()
+        build.add("F", up)
+    for _ in range(m - 2 * ranks + rank + 1):
+        for kind, stage in (("F", down), ("B", up), ("F", up), ("B", down)):
+            build.add(kind, stage)
+    for _ in range(ranks - rank - 1):
+        for kind, stage in (("B", up), ("F", up), ("B", down)):
+            build.add(kind, stage)
+    split = False
+    for k in range(rank + 1):
+        split = split or (k == (rank + 1) // 2 and rank % 2 == 1)
+        build.add("I" if split else "B", up)
+        split = split or (k == (rank + 1) // 2 and rank % 2 == 0)
+        build.add("I" if split else "B", down)
+    for _ in range(ranks - rank - 1):
+        build.next_weight()
+        build.add("I" if split else "B", down)
+    for _ in range(rank + 1):
+        build.next_weight()
+    return build.actions
+
+
+class _Builder:
+    """Appends actions, each stage's micro-batches counted per kind (a full backward and an input half
+    share a count). With `weights_queued`, weight halves are not added by kind but taken in the order
+    their input halves ran, by `next_weight`."""
+
+    def __init__(self, *, weights_queued: bool = False) -> None:
+        self.actions: list[Action] = []
+        self.counts: Counter[tuple[str, int]] = Counter()
+        self.queue: list[tuple[int, int]] | None = [] if weights_queued else None
+
+    def count(self, kind: str, stage: int) -> int:
+        return self.counts[kind, stage]
+
+    def add(self, kind: str, stage: int) -> None:
+        key = ("I" if kind == "B" else kind, stage)
+        j = self.counts[key]
+        self.actions.append((kind, stage, j))
+        self.counts[key] += 1
+        if kind == "I" and self.queue is not None:
+            self.queue.append((stage, j))
+
+    def next_weight(self) -> None:
+        if self.queue:
+            stage, j = self.queue.pop(0)
+            self.actions.append(("W", stage, j))
 
 
 def _numbered(kind: str, stages: list[int]) -> list[Action]:

@@ -11,8 +11,10 @@ micro-batches and run this rank's forwards and backwards in their order.
         schedule.step()
     optimizer.step()
 
-One stage per rank: ScheduleGPipe, Schedule1F1B. Several stages per rank, stage s on group rank
-s % group size: ScheduleInterleaved1F1B, ScheduleLoopedBFS (pass this rank's stages).
+One stage per rank: ScheduleGPipe, Schedule1F1B. Several stages per rank (pass this rank's stages),
+stage s on group rank s % group size: ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+ScheduleInterleavedZeroBubble; two per rank in a V, rank r running stages r and 2*ranks-1-r:
+ScheduleZBVZeroBubble, ScheduleDualPipeV.
 """
 
 from __future__ import annotations
@@ -182,9 +184,9 @@ class _PipelineScheduleMulti(_PipelineSchedule):
         return {s: s % self.pp_group_size for s in range(num_stages)}
 
 
-class ScheduleInterleaved1F1B(_PipelineScheduleMulti):
-    """Interleaved 1F1B (depth first): 1F1B over this rank's stages, a round of micro-batches through one
-    stage before the next; smaller bubbles than 1F1B for the same micro-batches."""
+class _PipelineScheduleOrdered(_PipelineSchedule):
+    """A schedule with several stages per rank whose order may refuse some n_microbatches: refused when
+    built, not at the first step."""
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
                  args_chunk_spec: tuple | None = None, kwargs_chunk_spec: dict | None = None,
@@ -192,10 +194,53 @@ class ScheduleInterleaved1F1B(_PipelineScheduleMulti):
                  defer_pp_recv: bool = False) -> None:
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
                          scale_grads, backward_requires_autograd, defer_pp_recv)
-        self._order()  # refuse an impossible n_microbatches now, not at the first step
+        try:
+            self._order()
+        except ValueError as exc:
+            raise ValueError(f"{type(self).__name__}: {exc}") from None
+
+
+class ScheduleInterleaved1F1B(_PipelineScheduleOrdered, _PipelineScheduleMulti):
+    """Interleaved 1F1B (depth first): 1F1B over this rank's stages, a round of micro-batches through one
+    stage before the next; smaller bubbles than 1F1B for the same micro-batches."""
 
     def _order(self) -> list[Action]:
         return orders.interleaved_1f1b(self.rank, self.pp_group_size, len(self._stages), self._n_microbatches)
+
+
+class ScheduleInterleavedZeroBubble(_PipelineScheduleOrdered, _PipelineScheduleMulti):
+    """Interleaved zero bubble (ZB1P): interleaved 1F1B with each backward split into the gradients of the
+    stage's inputs, sent back at once, and of its weights, run where the rank would otherwise wait."""
+
+    def _order(self) -> list[Action]:
+        return orders.interleaved_1f1b(self.rank, self.pp_group_size, len(self._stages), self._n_microbatches,
+                                       zero_bubble=True)
+
+
+class _PipelineScheduleV(_PipelineSchedule):
+    """Two stages per rank in a V: rank r runs stage r and stage 2*ranks-1-r."""
+
+    def _placement(self) -> dict[int, int]:
+        p, num_stages = self.pp_group_size, self._stages[0].num_stages
+        if num_stages != 2 * p:
+            raise ValueError(f"{type(self).__name__}: runs exactly two stages per rank; num_stages={num_stages} "
+                             f"but the group has {p} ranks")
+        return {s: s if s < p else 2 * p - 1 - s for s in range(num_stages)}
+
+
+class ScheduleZBVZeroBubble(_PipelineScheduleOrdered, _PipelineScheduleV):
+    """ZB-V: a V of stages, backwards split in two, weight halves filling the bubbles."""
+
+    def _order(self) -> list[Action]:
+        return orders.zbv_zero_bubble(self.rank, self.pp_group_size, self._n_microbatches)
+
+
+class ScheduleDualPipeV(_PipelineScheduleOrdered, _PipelineScheduleV):
+    """DualPipeV: a V of stages, a forward on one leg paired with a backward on the other in the steady
+    state (torch overlaps them on a GPU; here they run in turn), the drain filled with weight halves."""
+
+    def _order(self) -> list[Action]:
+        return orders.dualpipe_v(self.rank, self.pp_group_size, self._n_microbatches)
 
 
 class ScheduleLoopedBFS(_PipelineScheduleMulti):

@@ -16,6 +16,7 @@ import torch
 from shoal.observe import events
 from shoal.pipeline.meta import ActivationMeta, check_sendable, describe
 from shoal.pipeline.orders import Action
+from shoal.pipeline.split_backward import backward_input
 from shoal.pipeline.stage import Incoming, PipelineStage
 
 
@@ -37,6 +38,7 @@ class StepRun:
         self.handed_activations: dict[tuple[int, int], tuple[ActivationMeta, tuple]] = {}
         self.handed_gradients: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.kept: dict[tuple[int, int], tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+        self.weight_halves: dict[tuple[int, int], Callable[[], None]] = {}  # by (stage, j), after an "I"
         self.outputs: dict[int, Any] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.peak = 0
@@ -48,7 +50,12 @@ class StepRun:
                 self._post(*ahead)
             for stage in self.stages.values():
                 stage.reap_sends()
-            self._forward(s, j) if kind == "F" else self._backward(s, j)
+            if kind == "F":
+                self._forward(s, j)
+            elif kind == "W":
+                self._backward_weight(s, j)
+            else:
+                self._backward(kind, s, j)
             self.peak = max(self.peak, len(self.kept) if self.training else 1)
         for stage in self.stages.values():
             stage.finish_sends()
@@ -57,7 +64,7 @@ class StepRun:
         stage = self.stages[s]
         if kind == "F" and not stage.is_first and not stage.is_local(s - 1) and (s, j) not in self.metas:
             self.metas[(s, j)] = stage.post_meta(j)
-        elif kind == "B" and not stage.is_last and not stage.is_local(s + 1) and (s, j) not in self.gradients:
+        elif kind in ("B", "I") and not stage.is_last and not stage.is_local(s + 1) and (s, j) not in self.gradients:
             meta = self.meta_out.get((s, j))
             if meta is not None and meta.training:
                 self.gradients[(s, j)] = stage.post_gradients(meta)
@@ -143,7 +150,8 @@ class StepRun:
 
     # ---- backward ------------------------------------------------------------------------------
 
-    def _backward(self, s: int, j: int) -> None:
+    def _backward(self, kind: str, s: int, j: int) -> None:
+        """A full backward ("B"), or its input half ("I"), whose weight half ("W") runs later."""
         stage = self.stages[s]
         inputs, outputs = self.kept.pop((s, j))
         if stage.is_last:
@@ -151,20 +159,39 @@ class StepRun:
                 raise ValueError(f"stage {s} is the last stage of a training step and needs target= for its loss_fn")
             roots, grads = [outputs[0]], [None]
         else:
-            floating = [t for t in outputs if t.dtype.is_floating_point]
+            roots = [t for t in outputs if t.dtype.is_floating_point]
             if stage.is_local(s + 1):
                 grads = self.handed_gradients.pop((s, j))
             else:
                 grads = stage.take_gradients(self.gradients.pop((s, j)), self.meta_out[(s, j)])
-            roots = floating
         pairs = [(root, grad) for root, grad in zip(roots, grads, strict=True) if root.requires_grad]
-        if pairs:
-            with self._computing("backward", s, j):
-                torch.autograd.backward([root for root, _ in pairs], [grad for _, grad in pairs])
-        if stage.is_first:
-            return
-        gradients = [(x.grad if x.grad is not None else torch.zeros_like(x)) if x.dtype.is_floating_point else None
-                     for x in inputs]
+        roots, grads = [root for root, _ in pairs], [grad for _, grad in pairs]
+        if kind == "I" and stage.dw_builder is None:
+            with self._computing("backward input", s, j):
+                found, weights = backward_input(roots, grads, inputs, list(stage.submod.parameters()))
+            self.weight_halves[(s, j)] = weights
+        else:
+            if roots:
+                with self._computing("backward", s, j):
+                    torch.autograd.backward(roots, grads)
+            found = [x.grad for x in inputs]
+            if stage.dw_builder is not None:  # torch's contract: the builder's runner computes the weights' part
+                runner = stage.dw_builder()
+                if kind == "I":
+                    self.weight_halves[(s, j)] = runner
+                else:
+                    runner()
+        if not stage.is_first:
+            self._send_back(stage, s, j, inputs, found)
+
+    def _backward_weight(self, s: int, j: int) -> None:
+        with self._computing("backward weight", s, j):
+            self.weight_halves.pop((s, j))()
+
+    def _send_back(self, stage: PipelineStage, s: int, j: int, inputs: list[torch.Tensor],
+                   found: list[torch.Tensor | None]) -> None:
+        gradients = [(grad if grad is not None else torch.zeros_like(x)) if x.dtype.is_floating_point else None
+                     for x, grad in zip(inputs, found, strict=True)]
         if stage.is_local(s - 1):
             self.handed_gradients[(s - 1, j)] = [g for g in gradients if g is not None]
         else:
