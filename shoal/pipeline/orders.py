@@ -68,30 +68,17 @@ def zbv_zero_bubble(rank: int, ranks: int, m: int) -> list[Action]:
     n = max(2 * ranks - 1, m)
     down, up = rank, 2 * ranks - 1 - rank
     build = _Builder()
-    for _ in range(2 * (ranks - rank) - 1):
-        build.add("F", down)
-    for _ in range(rank):
-        build.add("F", up)
-        build.add("F", down)
-    for _ in range(ranks - rank):
-        build.add("F", up)
-        build.add("I", up)
-        build.add("W", up)
+    build.repeat(2 * (ranks - rank) - 1, ("F", down))
+    build.repeat(rank, ("F", up), ("F", down))
+    build.repeat(ranks - rank, ("F", up), ("I", up), ("W", up))
     while build.count("F", up) < build.count("F", down) or build.count("F", down) < n:
         if build.count("F", down) < n:
             build.add("F", down)
-        for kind, stage in (("I", down), ("W", down), ("F", up), ("I", up), ("W", up)):
-            build.add(kind, stage)
-    for _ in range(rank):
-        build.add("I", down)
-        build.add("I", up)
-    for _ in range(ranks - rank):
-        build.add("I", down)
-        build.add("W", down)
-    while build.count("W", up) < build.count("I", up):
-        build.add("W", up)
-    while build.count("W", down) < build.count("I", down):
-        build.add("W", down)
+        build.repeat(1, ("I", down), ("W", down), ("F", up), ("I", up), ("W", up))
+    build.repeat(rank, ("I", down), ("I", up))
+    build.repeat(ranks - rank, ("I", down), ("W", down))
+    build.repeat(build.count("I", up) - build.count("W", up), ("W", up))
+    build.repeat(build.count("I", down) - build.count("W", down), ("W", down))
     return [action for action in build.actions if action[2] < m]
 
 
@@ -103,39 +90,30 @@ def dualpipe_v(rank: int, ranks: int, m: int) -> list[Action]:
         raise ValueError(f"n_microbatches={m} must be at least the number of stages {2 * ranks}")
     down, up = rank, 2 * ranks - 1 - rank
     build = _Builder(weights_queued=True)
-    for _ in range(2 * (ranks - rank - 1)):
-        build.add("F", down)
-    for _ in range(rank + 1):
-        build.add("F", down)
-        build.add("F", up)
-    for _ in range(ranks - rank - 1):
-        build.add("I", up)
-        build.next_weight()
-        build.add("F", up)
-    for _ in range(m - 2 * ranks + rank + 1):
-        for kind, stage in (("F", down), ("B", up), ("F", up), ("B", down)):
-            build.add(kind, stage)
-    for _ in range(ranks - rank - 1):
-        for kind, stage in (("B", up), ("F", up), ("B", down)):
-            build.add(kind, stage)
+    build.repeat(2 * (ranks - rank - 1), ("F", down))
+    build.repeat(rank + 1, ("F", down), ("F", up))
+    build.repeat(ranks - rank - 1, ("I", up), _QUEUED, ("F", up))
+    build.repeat(m - 2 * ranks + rank + 1, ("F", down), ("B", up), ("F", up), ("B", down))
+    build.repeat(ranks - rank - 1, ("B", up), ("F", up), ("B", down))
     split = False
     for k in range(rank + 1):
         split = split or (k == (rank + 1) // 2 and rank % 2 == 1)
         build.add("I" if split else "B", up)
         split = split or (k == (rank + 1) // 2 and rank % 2 == 0)
         build.add("I" if split else "B", down)
-    for _ in range(ranks - rank - 1):
-        build.next_weight()
-        build.add("I" if split else "B", down)
-    for _ in range(rank + 1):
-        build.next_weight()
+    build.repeat(ranks - rank - 1, _QUEUED, ("I" if split else "B", down))
+    build.repeat(rank + 1, _QUEUED)
     return build.actions
+
+
+_QUEUED = ("W", None)
+"""In `_Builder.repeat`: the weight half of the earliest input half whose weight half has not run."""
 
 
 class _Builder:
     """Appends actions, each stage's micro-batches counted per kind (a full backward and an input half
     share a count). With `weights_queued`, weight halves are not added by kind but taken in the order
-    their input halves ran, by `next_weight`."""
+    their input halves ran (`_QUEUED`)."""
 
     def __init__(self, *, weights_queued: bool = False) -> None:
         self.actions: list[Action] = []
@@ -153,10 +131,14 @@ class _Builder:
         if kind == "I" and self.queue is not None:
             self.queue.append((stage, j))
 
-    def next_weight(self) -> None:
-        if self.queue:
-            stage, j = self.queue.pop(0)
-            self.actions.append(("W", stage, j))
+    def repeat(self, times: int, *actions: tuple[str, int | None]) -> None:
+        for _ in range(times):
+            for kind, stage in actions:
+                if stage is not None:
+                    self.add(kind, stage)
+                elif self.queue:
+                    queued_stage, j = self.queue.pop(0)
+                    self.actions.append(("W", queued_stage, j))
 
 
 def _numbered(kind: str, stages: list[int]) -> list[Action]:

@@ -31,7 +31,6 @@ class StepRun:
         self.arg_mbs, self.kwarg_mbs, self.target_mbs = arg_mbs, kwarg_mbs, target_mbs
         self.keep_outputs = keep_outputs
         self.metas: dict[tuple[int, int], Incoming] = {}  # posted metadata receives, by (stage, j)
-        self.meta_in: dict[tuple[int, int], ActivationMeta] = {}
         self.meta_out: dict[tuple[int, int], ActivationMeta] = {}
         self.gradients: dict[tuple[int, int], Incoming] = {}  # posted gradient receives
         # What one stage hands the next (or, backward, the previous) on this rank, by receiving (stage, j).
@@ -84,7 +83,6 @@ class StepRun:
             meta = stage.take_meta(self.metas.pop((s, j)), j)
             self._check_meta(stage, meta, j)
             tensors = stage.take_activations(stage.post_activations(meta), meta)
-        self.meta_in[(s, j)] = meta
         stage.check_declared("input_args", tuple(meta.shapes), tuple(meta.dtypes))
         if self.training:
             for tensor in tensors:
@@ -128,7 +126,7 @@ class StepRun:
                 self.outputs[j] = _detached(output)
             if self.loss_fn is not None and self.target_mbs is not None:
                 loss = self.loss_fn(output, self.target_mbs[j], **self.loss_kwargs)
-                self.losses[j] = loss
+                self.losses[j] = loss.detach()
                 outputs = (loss,)  # backward starts from the loss
         else:
             self._send(stage, j, outputs)
