@@ -200,6 +200,36 @@ def test_zero_bubble_halves_add_up_and_a_dw_builder_runs_at_the_weight_half() ->
     assert out["calls"] == ["built", "ran"] * 3 and out["eval"]
 
 
+# ---- micro-batches -------------------------------------------------------------------------------
+
+
+def test_arguments_are_cut_and_outputs_merged_as_torch_does() -> None:
+    from torch.distributed.pipelining import microbatch as torch_mb
+
+    from shoal.pipeline import microbatch as shoal_mb
+
+    gen = torch.Generator().manual_seed(0)
+    x, mask = torch.randn(7, 4, generator=gen), torch.randn(3, 7, generator=gen)
+    args, kwargs = (x, {"mask": mask, "scale": 2.0}), {"table": torch.randn(5, 2, generator=gen), "flag": True}
+
+    def specs(mb):
+        return ((mb.TensorChunkSpec(0), {"mask": mb.TensorChunkSpec(1), "scale": torch_mb._Replicate()}),
+                {"table": torch_mb._Replicate, "flag": torch_mb._Replicate()})
+
+    theirs = torch_mb.split_args_kwargs_into_chunks(args, kwargs, 3, *specs(torch_mb))
+    for mb in (shoal_mb, torch_mb):  # shoal's functions take either module's specs
+        _assert_close(shoal_mb.split_args_kwargs_into_chunks(args, kwargs, 3, *specs(mb)), theirs, mb.__name__)
+    _assert_close(shoal_mb.split_args_kwargs_into_chunks(args, None, 3), torch_mb.split_args_kwargs_into_chunks(
+        args, None, 3), "split with default specs")
+    outputs = [{"y": torch.full((2, 3), float(j))} for j in range(3)]
+    _assert_close(shoal_mb.merge_chunks(outputs, None), torch_mb.merge_chunks(outputs, None), "merge by default")
+    outputs = [(torch.full((2, 3), float(j)), torch.tensor(float(j))) for j in range(3)]
+    spec = (torch_mb.TensorChunkSpec(1), torch_mb.sum_reducer)
+    _assert_close(shoal_mb.merge_chunks(outputs, spec), torch_mb.merge_chunks(outputs, spec), "merge by spec")
+    with pytest.raises(ValueError, match=r"cannot cut a tensor of shape \(7, 4\) along dim 0 into 8 micro-batches"):
+        shoal_mb.split_args_kwargs_into_chunks(args, kwargs, 8)
+
+
 # ---- orders ----------------------------------------------------------------------------------------
 
 

@@ -37,7 +37,9 @@ class Replicate:
 
 
 def _replicates(spec: Any) -> bool:
-    return spec is None or type(spec).__name__ in ("Replicate", "_Replicate") or spec in (Replicate,)
+    """None, or a replicate spec: ours or torch's `_Replicate`, the class itself or an instance."""
+    name = spec.__name__ if isinstance(spec, type) else type(spec).__name__
+    return spec is None or name in ("Replicate", "_Replicate")
 
 
 def _reduces(spec: Any) -> bool:
