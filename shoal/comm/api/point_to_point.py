@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.comm.api.world import GroupMember, _group, members_only, root
+from shoal.comm.api.world import _group, is_non_member, members_only, root
 from shoal.comm.backends.group import ProcessGroup
 from shoal.comm.backends.work import Work
 
@@ -71,7 +71,7 @@ def batch_isend_irecv(p2p_op_list: list[P2POp]) -> list[Work]:
         raise ValueError("batch_isend_irecv: give a non-empty list of P2POp")
     works = []
     for p in p2p_op_list:
-        if isinstance(p.group, int) and p.group == GroupMember.NON_GROUP_MEMBER:
+        if is_non_member(p.group):
             raise ValueError("batch_isend_irecv: this rank is not a member of a P2POp's group")
         group = _group(p.group)
         peer = root(group, p.peer, p.group_peer, "peer")

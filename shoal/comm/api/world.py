@@ -55,6 +55,12 @@ class group(metaclass=_WorldMeta):
     """torch's `dist.group.WORLD`."""
 
 
+def is_non_member(group: object) -> bool:
+    """Whether `group` is what `new_group` gave a rank it left out (GroupMember.NON_GROUP_MEMBER): torch's
+    `_rank_not_in_group`. Neither a group object nor None (the default group) is one."""
+    return isinstance(group, int) and group == GroupMember.NON_GROUP_MEMBER
+
+
 def _timeout_from_env(default: timedelta) -> timedelta:
     seconds = config.SHOAL_TIMEOUT_S.get()
     return timedelta(seconds=seconds) if seconds is not None else default
@@ -127,7 +133,7 @@ def destroy_process_group(group: ProcessGroup | TorchGroup | None = None) -> Non
     if isinstance(group, TorchGroup):
         tdist.destroy_process_group(group)  # torch's own registry lets go of it too
         return
-    if isinstance(group, int) and group == GroupMember.NON_GROUP_MEMBER:
+    if is_non_member(group):
         return  # a group this rank is not in, as torch takes it
     if group is not None and group is not _world:
         group.shutdown()
@@ -154,7 +160,7 @@ def _group(group: ProcessGroup | tdist.ProcessGroup | None) -> ProcessGroup:
     the default group, which torch's init_process_group("shoal") may have brought up."""
     if isinstance(group, TorchGroup):
         return group.shoal_group
-    if isinstance(group, int) and group == GroupMember.NON_GROUP_MEMBER:
+    if is_non_member(group):
         raise ValueError("this rank is not a member of the group (new_group gave it GroupMember.NON_GROUP_MEMBER)")
     if isinstance(group, tdist.ProcessGroup):
         raise TypeError(f"this group is torch's, on backend {group.name()!r}: shoal's functions take groups of "
@@ -177,7 +183,7 @@ def members_only(outside: object = None) -> Callable[[Callable[..., T]], Callabl
         @functools.wraps(fn)
         def call(*args, **kwargs):
             given = args[position] if len(args) > position else kwargs.get("group")
-            if isinstance(given, int) and given == GroupMember.NON_GROUP_MEMBER:
+            if is_non_member(given):
                 warnings.warn(f"{fn.__name__} on global rank {get_rank()}, which is not a member of the given "
                               f"group: nothing to do", stacklevel=2)
                 return outside
@@ -210,14 +216,14 @@ def default_group() -> ProcessGroup:
 
 def get_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank in `group`; -1 where it is not a member, as in torch."""
-    if isinstance(group, int) and group == GroupMember.NON_GROUP_MEMBER:
+    if is_non_member(group):
         return -1
     return _group(group).rank
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:
     """The number of ranks in `group`; -1 where this process is not a member, as in torch."""
-    if isinstance(group, int) and group == GroupMember.NON_GROUP_MEMBER:
+    if is_non_member(group):
         return -1
     return _group(group).size
 
