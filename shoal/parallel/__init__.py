@@ -1,9 +1,26 @@
 """Data parallelism: DistributedDataParallel (processes), the communication hooks it averages buckets with,
-and DataParallel (threads in one process)."""
+DataParallel (threads in one process), Join (training on uneven inputs), and model averaging with the
+post-local SGD hook (local steps, parameters averaged every few; the optimizer is shoal.optim's)."""
 
 from shoal.parallel.comm_hooks import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from shoal.parallel.data_parallel import DataParallel
 from shoal.parallel.ddp import DistributedDataParallel
+from shoal.parallel.join import Join, Joinable, JoinHook
+from shoal.parallel.model_averaging import ModelAverager, PeriodicModelAverager
+from shoal.parallel.post_local_sgd_hook import PostLocalSGDState, post_localSGD_hook
 
-__all__ = ["DataParallel", "DistributedDataParallel", "GradBucket", "allreduce_hook", "bf16_compress_hook",
-           "fp16_compress_hook"]
+__all__ = [
+    "DataParallel",
+    "DistributedDataParallel",
+    "GradBucket",
+    "Join",
+    "JoinHook",
+    "Joinable",
+    "ModelAverager",
+    "PeriodicModelAverager",
+    "PostLocalSGDState",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "fp16_compress_hook",
+    "post_localSGD_hook",
+]

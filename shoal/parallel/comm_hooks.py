@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.comm.algorithms.reduce_op import ReduceOp
+from shoal.comm.api import all_reduce, get_world_size
 from shoal.comm.backends.group import ProcessGroup
 from shoal.comm.backends.work import Work
 
@@ -41,12 +42,27 @@ def allreduce_hook(state: ProcessGroup | None, bucket: GradBucket) -> Pending:
     return Pending(group.all_reduce(bucket.buffer, ReduceOp.AVG), lambda: bucket.buffer)
 
 
+def _divide_then_sum(tensor: torch.Tensor, group: ProcessGroup, *, synchronize_device: bool = False) -> Work:
+    """Start averaging `tensor` over `group` in place as torch's hooks and averagers do: divide it by the
+    group's size, then all-reduce the SUM; returns the all-reduce's Work. Dividing first keeps a
+    half-precision sum from overflowing where the mean would not. `synchronize_device` waits for the
+    accelerator between the two, as torch's average_parameters does, so that the all-reduce cannot
+    overlap work another process group has in flight (a CPU tensor needs no such wait)."""
+    tensor.div_(get_world_size(group))
+    if synchronize_device and tensor.device.type != "cpu" and torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+    work = all_reduce(tensor, ReduceOp.SUM, group=group, async_op=True)
+    if work is None:  # all_reduce warned and did nothing: `group` is GroupMember.NON_GROUP_MEMBER
+        raise ValueError("cannot average over a group this rank is not a member of (GroupMember.NON_GROUP_MEMBER)")
+    return work
+
+
 def _compressed(dtype: torch.dtype) -> Callable[[ProcessGroup | None, GradBucket], Pending]:
     def hook(state: ProcessGroup | None, bucket: GradBucket) -> Pending:
-        group = state or bucket.group
-        # Divide before the sum so that the half-precision sum cannot overflow where the mean would not.
-        packed = bucket.buffer.div(group.size).to(dtype)
-        work = group.all_reduce(packed, ReduceOp.SUM)
+        # Cast, then divide in `dtype`, as torch's compress hooks do: the same rounding, so the same sums (and
+        # a gradient beyond float16's range overflows in the cast, in torch's as here).
+        packed = bucket.buffer.to(dtype)
+        work = _divide_then_sum(packed, state or bucket.group)
         return Pending(work, lambda: bucket.buffer.copy_(packed))
     return hook
 

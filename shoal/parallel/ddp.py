@@ -21,6 +21,8 @@ from shoal.comm.objects import all_gather_object
 from shoal.observe import events
 from shoal.parallel.buckets import Bucket, assign_buckets
 from shoal.parallel.comm_hooks import GradBucket, Pending, allreduce_hook
+from shoal.parallel.ddp_join import DDPJoinHook, _announce_step, _common_rank
+from shoal.parallel.join import Join, Joinable
 
 _FIRST_BUCKET_BYTES = 1 << 20
 _forward_hooks: list[Callable[[DistributedDataParallel], None]] = []
@@ -32,7 +34,7 @@ def register_sync_forward_hook(hook: Callable[[DistributedDataParallel], None]) 
     _forward_hooks.append(hook)
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel wrapper with torch's constructor arguments and semantics.
 
     At construction every rank checks that it holds the same parameters (names, shapes, dtypes) and
@@ -42,7 +44,7 @@ class DistributedDataParallel(nn.Module):
     communication hook on a group that coalesces for free (shoal's), a bucket's gradients are reduced
     where they lie, as one collective; otherwise (gloo, another hook, gradient_as_bucket_view, a
     gradient that is missing or laid out otherwise) they are packed into the bucket's buffer first
-    and the averages copied back.
+    and the averages copied back. A Joinable: `join()` trains on uneven inputs (see shoal.parallel.join).
     """
 
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
@@ -50,6 +52,7 @@ class DistributedDataParallel(nn.Module):
                  process_group: ProcessGroup | None = None, bucket_cap_mb: float = 25,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False) -> None:
         super().__init__()
+        Joinable.__init__(self)
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         import shoal.distributed as dist
@@ -63,7 +66,7 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         _check_same_parameters(named, self.process_group)
-        self._sync_from_rank0([*module.parameters(), *module.buffers()])  # every replica starts as rank 0
+        self._sync_from([*module.parameters(), *module.buffers()])  # every replica starts as rank 0
         cap = int(bucket_cap_mb * (1 << 20))
         assignment = assign_buckets([p for _, p in named], cap, min(cap, _FIRST_BUCKET_BYTES))
         self.buckets = [Bucket(b, [named[i][1] for i in members], [named[i][0] for i in members])
@@ -79,17 +82,25 @@ class DistributedDataParallel(nn.Module):
         self.launched_in_backward = 0  # buckets whose reduction began before backward ended (last step)
         self._prepared = False  # forward has reset the buckets for the backward that follows it
         self._backward_started: events.Started | None = None  # for the timeline: when the first gradient came
+        self._divide_by_initial_world_size = True  # under Join: else by the live ranks (set by its hook)
+        # Under Join: how many ranks this step synchronizes (read once per step, at the first bucket).
+        self._live_ranks: Callable[[], int] | None = None
         for bucket in self.buckets:
             for i, param in enumerate(bucket.params):
                 param.register_post_accumulate_grad_hook(self._make_grad_hook(bucket, i))
 
     # ---- set-up ------------------------------------------------------------------------------
 
-    def _sync_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        """Overwrite `tensors` with rank 0's, in place."""
+    def _sync_from(self, tensors: list[torch.Tensor], src: int | None = None) -> None:
+        """Overwrite `tensors` with global rank `src`'s (None: the group's rank 0's), in place."""
+        src = self.process_group.ranks[0] if src is None else src
         with torch.no_grad():
             for tensor in tensors:
-                self.process_group.broadcast(tensor, self.process_group.ranks[0]).wait()
+                self.process_group.broadcast(tensor, src).wait()
+
+    def _syncs_buffers(self) -> bool:
+        """Whether a synchronizing step takes one rank's buffers (a joined rank asks it too)."""
+        return self.broadcast_buffers and self.process_group.size > 1 and next(self.module.buffers(), None) is not None
 
     def adopt(self, group: ProcessGroup) -> None:
         """Go on in `group`, the next generation's after a failure (shoal.elastic): the reductions the
@@ -105,7 +116,7 @@ class DistributedDataParallel(nn.Module):
             bucket.reset()
         self._prepared = False
         _check_same_parameters([(n, p) for n, p in self.module.named_parameters() if p.requires_grad], group)
-        self._sync_from_rank0([*self.module.parameters(), *self.module.buffers()])
+        self._sync_from([*self.module.parameters(), *self.module.buffers()])
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Pending]) -> None:
         """Replace how buckets are averaged (see `shoal.parallel.comm_hooks`); call before training."""
@@ -120,18 +131,52 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._require_sync = previous
 
+    # ---- uneven inputs (Join) -----------------------------------------------------------------
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs: a rank out of batches shadows the others' steps until all are
+        done, then every rank takes the model of the last to finish. Gradients are divided by the initial
+        world size, or (divide_by_initial_world_size=False, default hook only) by the ranks still training."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """The hook that shadows this DDP's steps; takes `divide_by_initial_world_size` (default True)."""
+        return DDPJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the module's first parameter: the join's collectives put their tensors there."""
+        first = next(self.module.parameters(), None)
+        if first is None:
+            raise ValueError(f"DistributedDataParallel.join_device: the wrapped {type(self.module).__name__} has "
+                             f"no parameters, so there is no device to put the join's collectives on; Join needs "
+                             f"a module with parameters (torch's DistributedDataParallel refuses one without)")
+        return first.device
+
+    @property
+    def join_process_group(self) -> ProcessGroup:
+        return self.process_group
+
     # ---- forward and backward ----------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._step_syncs = self._require_sync
-        if self._step_syncs and torch.is_grad_enabled():
+        syncs = self._step_syncs and torch.is_grad_enabled()
+        self._live_ranks = None
+        if self._join_config.enable:  # tell the ranks that have joined what to shadow (ddp_join.py)
+            Join.notify_join_context(self)
+            self._live_ranks = _announce_step(self, syncs)
+        if syncs:
             self._prepare_for_backward()
             for hook in _forward_hooks:
                 hook(self)
             # Only a step that will synchronize takes rank 0's buffers, so that evaluating on one rank
-            # alone (no_grad) involves no collective.
-            if self.broadcast_buffers and self.process_group.size > 1:
-                self._sync_from_rank0(list(self.module.buffers()))
+            # alone (no_grad) involves no collective. Under Join, rank 0 may have joined: the highest live rank's.
+            if self._syncs_buffers():
+                source = _common_rank(self, candidate=True) if self._join_config.enable else None
+                self._sync_from(list(self.module.buffers()), source)
         if self.device is not None:  # as torch's DDP does for a module given its device: inputs follow it
             args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
         started = events.begin()
@@ -180,6 +225,16 @@ class DistributedDataParallel(nn.Module):
             self.launched_in_backward += in_backward
 
     def _reduce(self, bucket: Bucket, grads: list[torch.Tensor | None]) -> Callable[[], list[torch.Tensor]]:
+        """Start averaging a bucket; the returned function waits and gives the averages. Under Join with
+        divide_by_initial_world_size=False, the default hook's mean is rescaled to one over the live ranks
+        (joined ones add zeros), as torch's reducer divides then; other hooks divide as they will, as in torch."""
+        results = self._start_reduction(bucket, grads)
+        if self._live_ranks is None or self._divide_by_initial_world_size or self._hook is not allreduce_hook:
+            return results
+        scale = (self._hook_state or self.process_group).size / self._live_ranks()  # waits at the first bucket only
+        return lambda: [result.mul_(scale) for result in results()]
+
+    def _start_reduction(self, bucket: Bucket, grads: list[torch.Tensor | None]) -> Callable[[], list[torch.Tensor]]:
         group = self._hook_state or self.process_group
         if (self._hook is allreduce_hook and group.coalesces_for_free and not self.gradient_as_bucket_view
                 and all(_plain_cpu_tensor(g) for g in grads)):
