@@ -309,7 +309,8 @@ NOT_APPLICABLE = {"torch.distributed.rpc": {"AllGatherStates", "method_factory",
 @pytest.mark.parametrize(("theirs", "ours"), [
     ("torch.distributed", "shoal.distributed"), ("torch.distributed.nn", "shoal.nn"),
     ("torch.distributed.autograd", "shoal.autograd"), ("torch.distributed.rpc", "shoal.rpc"),
-    ("torch.multiprocessing", "shoal.multiprocessing")])
+    ("torch.multiprocessing", "shoal.multiprocessing"), ("torch.distributed.pipelining", "shoal.pipeline"),
+    ("torch.distributed.optim", "shoal.optim"), ("torch.distributed.algorithms", "shoal.parallel")])
 def test_every_public_name_of_torch_s_module_is_ours_with_its_parameters(theirs: str, ours: str) -> None:
     torch_module, shoal_module = importlib.import_module(theirs), importlib.import_module(ours)
     names = [n for n in _public(torch_module) if hasattr(torch_module, n)]  # torch's rpc lists some it lacks
