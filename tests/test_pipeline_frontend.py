@@ -110,6 +110,34 @@ def test_a_split_policy_places_the_marks() -> None:
     torch.testing.assert_close(_chain(pipe, x), net(x), rtol=0, atol=0)
 
 
+def test_tracing_leaves_the_model_as_it_was_and_takes_torchs_split_points() -> None:
+    from torch.distributed.pipelining import SplitPoint as TorchSplitPoint
+
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.drop, self.lin = nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor, *, scale: float = 2.0, shift: torch.Tensor | None = None) -> torch.Tensor:
+            h = self.drop(self.norm(x)) * scale
+            return self.lin(h if shift is None else h + shift)
+
+    model, (x, _) = Normed().double(), _inputs()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = torch.random.get_rng_state()
+    pipe = pipeline(model, (x,), split_spec={"lin": TorchSplitPoint.BEGINNING})
+    assert pipe.num_stages == 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # running statistics untouched
+    assert torch.equal(torch.random.get_rng_state(), state)  # dropout drew nothing from the generator
+    # Arguments the example left out are baked in with their defaults, and no longer taken.
+    torch.manual_seed(5)
+    want = model(x)
+    torch.manual_seed(5)
+    torch.testing.assert_close(pipe(x), want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="shift"):
+        pipe(x, shift=x[:, :6])
+
+
 def test_cuts_that_cannot_work_are_refused() -> None:
     x, _ = _inputs()
     with pytest.raises(ValueError, match="give split_spec or split_policy, not both"):
@@ -118,6 +146,10 @@ def test_cuts_that_cannot_work_are_refused() -> None:
         pipeline(_net(), (x,), split_spec={"layers.9": SplitPoint.END})
     with pytest.raises(ValueError, match="stage 1 would compute nothing"):
         pipeline(_net((1,)), (x,), split_spec={"layers.1": SplitPoint.END})
+    with pytest.raises(ValueError, match="stage 0 would compute nothing"):
+        pipeline(_net(), (x,), split_spec={"emb": SplitPoint.BEGINNING})
+    with pytest.raises(TypeError, match=r"forward needs \['x'\]"):
+        pipeline(_net(), ())
 
     class Counts(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from shoal.pipeline.meta import check_sendable
 from shoal.pipeline.stage import PipelineStage
 from shoal.pipeline.tracing import SplitPoint, is_split, trace
 
@@ -80,17 +81,14 @@ def pipeline(module: nn.Module, mb_args: tuple[Any, ...], mb_kwargs: dict[str, A
     traced = trace(module, tuple(mb_args), mb_kwargs, split_spec)
     if split_policy is not None:
         traced = split_policy(traced)
-    pipe = Pipe(_split(traced), _count_stages(traced), has_loss_and_backward=False, loss_spec=None)
+    split_gm, num_stages = _split(traced)
+    pipe = Pipe(split_gm, num_stages, has_loss_and_backward=False, loss_spec=None)
     if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        _check_cuts(pipe, tuple(mb_args), mb_kwargs or {})
+        _check_cuts(pipe, module, tuple(mb_args), mb_kwargs or {})
     return pipe
 
 
-def _count_stages(traced: fx.GraphModule) -> int:
-    return 1 + sum(is_split(node) for node in traced.graph.nodes)
-
-
-def _split(traced: fx.GraphModule) -> fx.GraphModule:
+def _split(traced: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     """`split_gm`: the stages' graphs as children of one graph that calls them in turn."""
     nodes = [node for node in traced.graph.nodes if node.op != "get_attr"]
     stage_of: dict[fx.Node, int] = {}
@@ -102,7 +100,7 @@ def _split(traced: fx.GraphModule) -> fx.GraphModule:
             stage_of[node] = k
     last = k
     output = next(node for node in nodes if node.op == "output")
-    empty = set(range(last + 1)) - {s for node, s in stage_of.items() if node.op != "placeholder"} - {0}
+    empty = set(range(last + 1)) - {s for node, s in stage_of.items() if node.op != "placeholder"}
     if empty:
         raise ValueError(f"pipeline: stage {min(empty)} would compute nothing; put at least one operation between "
                          f"two split points, and none at the very start or end of forward")
@@ -141,17 +139,25 @@ def _split(traced: fx.GraphModule) -> fx.GraphModule:
         if k < last:
             values = [top.call_function(operator.getitem, (result, i)) for i in range(len(crossing[k]))]
     top.output(result)
-    return fx.GraphModule(root, top, "SplitModel")
+    return fx.GraphModule(root, top, "SplitModel"), last + 1
 
 
-def _check_cuts(pipe: Pipe, mb_args: tuple, mb_kwargs: dict) -> None:
-    """Run one micro-batch through the stages in turn; raise if a cut passes anything but tensors."""
-    with torch.no_grad():
-        values = pipe.get_stage_module(0)(*mb_args, **mb_kwargs)
-        for k in range(1, pipe.num_stages):
-            bad = [f"{type(v).__name__} {v!r}"[:80] for v in values if not isinstance(v, torch.Tensor)]
-            if bad:
-                raise TypeError(f"pipeline: stage {k - 1} would pass stage {k} {', '.join(bad)}; only tensors travel "
-                                f"between stages: move the split point so that such values are made where "
-                                f"they are used")
-            values = pipe.get_stage_module(k)(*values)
+def _check_cuts(pipe: Pipe, module: nn.Module, mb_args: tuple, mb_kwargs: dict) -> None:
+    """Run one micro-batch through the stages in turn; raise if a cut passes what cannot travel between
+    stages (anything but tensors, too many, too many dims). The model is left as it was: its buffers
+    (a BatchNorm's running statistics) and the random generators' states are put back."""
+    buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        try:
+            values = pipe.get_stage_module(0)(*mb_args, **mb_kwargs)
+            for k in range(1, pipe.num_stages):
+                bad = [f"{type(v).__name__} {v!r}"[:80] for v in values if not isinstance(v, torch.Tensor)]
+                if bad:
+                    raise TypeError(f"pipeline: stage {k - 1} would pass stage {k} {', '.join(bad)}; only tensors "
+                                    f"travel between stages: move the split point so that such values are made "
+                                    f"where they are used")
+                check_sendable(tuple(values), k - 1)
+                values = pipe.get_stage_module(k)(*values)
+        finally:
+            for buffer, saved in buffers:
+                buffer.copy_(saved)

@@ -184,7 +184,7 @@ class _PipelineScheduleMulti(_PipelineSchedule):
         return {s: s % self.pp_group_size for s in range(num_stages)}
 
 
-class _PipelineScheduleOrdered(_PipelineSchedule):
+class _CheckedOrderSchedule(_PipelineSchedule):
     """A schedule with several stages per rank whose order may refuse some n_microbatches: refused when
     built, not at the first step."""
 
@@ -200,7 +200,7 @@ class _PipelineScheduleOrdered(_PipelineSchedule):
             raise ValueError(f"{type(self).__name__}: {exc}") from None
 
 
-class ScheduleInterleaved1F1B(_PipelineScheduleOrdered, _PipelineScheduleMulti):
+class ScheduleInterleaved1F1B(_CheckedOrderSchedule, _PipelineScheduleMulti):
     """Interleaved 1F1B (depth first): 1F1B over this rank's stages, a round of micro-batches through one
     stage before the next; smaller bubbles than 1F1B for the same micro-batches."""
 
@@ -208,7 +208,7 @@ class ScheduleInterleaved1F1B(_PipelineScheduleOrdered, _PipelineScheduleMulti):
         return orders.interleaved_1f1b(self.rank, self.pp_group_size, len(self._stages), self._n_microbatches)
 
 
-class ScheduleInterleavedZeroBubble(_PipelineScheduleOrdered, _PipelineScheduleMulti):
+class ScheduleInterleavedZeroBubble(_CheckedOrderSchedule, _PipelineScheduleMulti):
     """Interleaved zero bubble (ZB1P): interleaved 1F1B with each backward split into the gradients of the
     stage's inputs, sent back at once, and of its weights, run where the rank would otherwise wait."""
 
@@ -228,14 +228,14 @@ class _PipelineScheduleV(_PipelineSchedule):
         return {s: s if s < p else 2 * p - 1 - s for s in range(num_stages)}
 
 
-class ScheduleZBVZeroBubble(_PipelineScheduleOrdered, _PipelineScheduleV):
+class ScheduleZBVZeroBubble(_CheckedOrderSchedule, _PipelineScheduleV):
     """ZB-V: a V of stages, backwards split in two, weight halves filling the bubbles."""
 
     def _order(self) -> list[Action]:
         return orders.zbv_zero_bubble(self.rank, self.pp_group_size, self._n_microbatches)
 
 
-class ScheduleDualPipeV(_PipelineScheduleOrdered, _PipelineScheduleV):
+class ScheduleDualPipeV(_CheckedOrderSchedule, _PipelineScheduleV):
     """DualPipeV: a V of stages, a forward on one leg paired with a backward on the other in the steady
     state (torch overlaps them on a GPU; here they run in turn), the drain filled with weight halves."""
 

@@ -4,10 +4,12 @@ stage is waiting for them), the gradients of its weights later (whenever the ran
 The input half runs autograd from the stage's outputs to its inputs only. On the way it passes every
 "branch node": a node on the path to the inputs with an edge off that path towards a weight. A hook
 records the gradient each branch node receives. The weight half then starts autograd at the branch
-nodes, with those gradients, and runs it to the weights, so nothing computed in the first half is
-computed again. A branch node that another branch node feeds gets its recorded gradient, not a second
-copy of what flows in, so nothing is counted twice. Weights are grouped by the branch nodes they hang
-off, and each group is one autograd call.
+nodes (and at the outputs off the path, with the gradients they were given), with those gradients, and
+runs it to the weights, so the path to the inputs is not run again, except a stretch between two branch
+nodes of one group (a layer used twice, another between), which autograd passes through. A branch node
+that another branch node feeds gets its recorded gradient, not a second copy of what flows in, so
+nothing is counted twice. Weights are grouped by the branch nodes they hang off, and each group is one
+autograd call (torch's stage_backward_input and stage_backward_weight work the same way).
 """
 
 from __future__ import annotations
@@ -22,17 +24,21 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], 
                    weights: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], Callable[[], None]]:
     """The gradients of `inputs` (None where an input needs none), and a function that, called later,
     accumulates the gradients of `weights` into their `.grad` as `torch.autograd.backward` would."""
-    root_nodes = [get_gradient_edge(root).node for root in roots]
+    if not roots:
+        return [None] * len(inputs), lambda: None
     wanted = [x for x in inputs if x.requires_grad]
-    graph = _children(root_nodes)
-    on_path = _reaching(graph, {get_gradient_edge(x).node for x in wanted})
-    groups = _weight_groups(graph, on_path, {get_gradient_edge(w).node: w for w in weights if w.requires_grad})
-    received: dict[Node, tuple] = {}  # what each branch node on the path received, output by output
-    given: dict[GradientEdge, torch.Tensor] = {}  # what each root off the path is given
+    graph = _children([get_gradient_edge(root).node for root in roots])
+    parents = _parents(graph)
+    on_path = _reaching(parents, {get_gradient_edge(x).node for x in wanted if get_gradient_edge(x).node in graph})
+    given: dict[GradientEdge, torch.Tensor] = {}  # what each root off the path is given (it never runs now)
     for root, grad in zip(roots, grads, strict=True):
         edge = get_gradient_edge(root)
-        if edge.node not in on_path:  # never runs in the input half
-            given[edge] = grad if grad is not None else torch.ones_like(root)
+        if edge.node not in on_path:
+            grad = grad if grad is not None else torch.ones_like(root)
+            given[edge] = given[edge] + grad if edge in given else grad  # a tensor returned twice: both
+    groups = _weight_groups(parents, on_path, {edge.node for edge in given},
+                            {get_gradient_edge(w).node: w for w in weights if w.requires_grad})
+    received: dict[Node, tuple] = {}  # what each branch node on the path received, output by output
     hooks = [node.register_prehook(_recorder(received, node)) for node in set().union(*(g[0] for g in groups))
              if node in on_path]
     try:
@@ -71,10 +77,9 @@ def _parents(graph: dict[Node, list[Node]]) -> dict[Node, list[Node]]:
     return parents
 
 
-def _reaching(graph: dict[Node, list[Node]], targets: set[Node]) -> set[Node]:
+def _reaching(parents: dict[Node, list[Node]], targets: set[Node]) -> set[Node]:
     """The nodes from which a target is reachable (the targets included)."""
-    parents = _parents(graph)
-    found, stack = set(), [t for t in targets if t in graph]
+    found, stack = set(), list(targets)
     while stack:
         node = stack.pop()
         if node not in found:
@@ -83,16 +88,16 @@ def _reaching(graph: dict[Node, list[Node]], targets: set[Node]) -> set[Node]:
     return found
 
 
-def _weight_groups(graph: dict[Node, list[Node]], on_path: set[Node],
+def _weight_groups(parents: dict[Node, list[Node]], on_path: set[Node], given: set[Node],
                    weights: dict[Node, torch.Tensor]) -> list[tuple[set[Node], list[torch.Tensor]]]:
     """(branch nodes, weights) per group. A weight's gradient comes from the nodes found walking up from
-    it, off the input path, to the path (or to a root that is not on it); weights that share such a node
-    share a group."""
-    parents = _parents(graph)
+    it, off the input path, to the path, and from the roots off the path met on the way (`given`: they
+    are given a gradient, besides what may flow into them from other roots); weights that share such a
+    node share a group."""
     sources: dict[Node, frozenset[Node]] = {}  # memo: where the gradient of an off-path node comes from
     groups: list[tuple[set[Node], list[torch.Tensor]]] = []
     for node, weight in weights.items():
-        if node not in graph:
+        if node not in parents:
             continue  # unused by this micro-batch: no gradient, as in a full backward
         stack = [node]
         while stack:  # post-order over the parents, so each node's are known before its own
@@ -103,8 +108,8 @@ def _weight_groups(graph: dict[Node, list[Node]], on_path: set[Node],
                 continue
             stack.pop()
             ups = parents.get(current, [])
-            sources[current] = (frozenset().union(*(frozenset({up}) if up in on_path else sources[up] for up in ups))
-                                if ups else frozenset({current}))
+            found = frozenset().union(*(frozenset({up}) if up in on_path else sources[up] for up in ups))
+            sources[current] = found | {current} if current in given or not ups else found
         merged = [g for g in groups if g[0] & sources[node]]
         for g in merged:
             groups.remove(g)
@@ -114,7 +119,7 @@ def _weight_groups(graph: dict[Node, list[Node]], on_path: set[Node],
 
 def _backward_weights(groups: list[tuple[set[Node], list[torch.Tensor]]], received: dict[Node, tuple],
                       given: dict[GradientEdge, torch.Tensor]) -> None:
-    for sources, weights in groups:
+    for n, (sources, weights) in enumerate(groups):
         starts = {edge: grad for edge, grad in given.items() if edge.node in sources}
         for node in sources & received.keys():
             starts.update({GradientEdge(node, k): grad for k, grad in enumerate(received[node]) if grad is not None})
@@ -124,7 +129,9 @@ def _backward_weights(groups: list[tuple[set[Node], list[torch.Tensor]]], receiv
         clamps = [node.register_prehook(lambda _, recorded=received[node]: recorded)
                   for node in sources & received.keys()] if len(sources) > 1 else []
         try:
-            found = torch.autograd.grad(list(starts), weights, list(starts.values()), allow_unused=True)
+            # A later group may pass through nodes this one runs (a layer used twice, another between).
+            found = torch.autograd.grad(list(starts), weights, list(starts.values()), allow_unused=True,
+                                        retain_graph=n < len(groups) - 1)
         finally:
             for clamp in clamps:
                 clamp.remove()

@@ -146,8 +146,9 @@ class PipelineStage:
                 self._sends.append(self._isend(gradient, dst, _tag(_GRADIENT, self.stage_index, k, j)))
 
     def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> tuple[Work, torch.Tensor, int]:
-        # The tensor stays referenced until its send is done: the backend may still be reading it.
-        return dist.isend(tensor.contiguous(), dst, group=self.group, tag=tag), tensor, dst
+        # The tensor sent stays referenced until its send is done: the backend may still be reading it.
+        tensor = tensor.contiguous()
+        return dist.isend(tensor, dst, group=self.group, tag=tag), tensor, dst
 
     @staticmethod
     def _settle(send: tuple[Work, torch.Tensor, int]) -> None:

@@ -45,7 +45,7 @@ class StepRun:
     def execute(self, order: list[Action], *, lookahead: bool) -> None:
         """Run `order`; with `lookahead`, the receives of the next action are posted before this one runs."""
         for k, (kind, s, j) in enumerate(order):
-            for ahead in order[k:k + 1 + lookahead]:
+            for ahead in order[k:k + (2 if lookahead else 1)]:
                 self._post(*ahead)
             for stage in self.stages.values():
                 stage.reap_sends()
@@ -112,10 +112,8 @@ class StepRun:
         try:
             with self._computing("forward", s, j):
                 output = stage.submod(*args, **kwargs)
-        except torch.OutOfMemoryError:
-            raise
         except RuntimeError as exc:  # torch's way to refuse a shape or dtype; other errors pass as they are
-            if stage.is_first:
+            if stage.is_first or type(exc) is not RuntimeError:  # out of memory, NotImplementedError, ...
                 raise
             got = ", ".join(describe(t.shape, t.dtype) for t in inputs)
             raise ValueError(f"stage {s} could not consume the activations from stage {s - 1} ({got}): "
@@ -153,9 +151,7 @@ class StepRun:
         stage = self.stages[s]
         inputs, outputs = self.kept.pop((s, j))
         if stage.is_last:
-            if self.loss_fn is None or self.target_mbs is None:
-                raise ValueError(f"stage {s} is the last stage of a training step and needs target= for its loss_fn")
-            roots, grads = [outputs[0]], [None]
+            roots, grads = [outputs[0]], [None]  # the loss (step() made sure there is a target)
         else:
             roots = [t for t in outputs if t.dtype.is_floating_point]
             if stage.is_local(s + 1):
