@@ -123,6 +123,7 @@ CASES = {
         ("ScheduleDualPipeV", 2, 6, False)],
     3: [("Schedule1F1B", 1, 4, True), ("ScheduleInterleaved1F1B", 2, 6, True),
         ("ScheduleInterleavedZeroBubble", 2, 3, True), ("ScheduleZBVZeroBubble", 2, 6, True)],
+    4: [("Schedule1F1B", 1, 6, True), ("ScheduleInterleavedZeroBubble", 2, 4, True)],
 }
 
 
