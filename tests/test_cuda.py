@@ -1,6 +1,7 @@
 """The GPU paths: CUDA tensors through shoal's own backend and gloo (staged through host memory), the
-NCCL backend, and DDP on a GPU. Every rank shares the one GPU a test machine may have (NCCL refuses
-two ranks on one device, so its tests run one rank). Skipped where there is no GPU, as in CI."""
+NCCL backend, DDP on a GPU, and torch's programs under the device map "cpu:shoal,cuda:nccl". Every rank
+shares the one GPU a test machine may have (NCCL refuses two ranks on one device, so its tests run one
+rank). Skipped where there is no GPU, as in CI."""
 
 from __future__ import annotations
 
@@ -125,3 +126,69 @@ def test_ddp_on_a_gpu_trains_as_one_process_on_the_whole_batch(backend: str, wor
     for rank, params in results.items():
         for got, want in zip(params, reference.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach(), rtol=1e-9, atol=1e-12, msg=f"rank {rank}")
+
+
+def _torch_under_the_device_map(rank: int, world: int, port: int, steps: int) -> dict[str, bool]:
+    import torch.distributed as tdist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import shoal  # noqa: F401 - registers backend "shoal"
+    from shoal.comm.as_torch.work import TorchWork
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    tdist.init_process_group("cpu:shoal,cuda:nccl", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out = {}
+    try:
+        on_gpu = torch.arange(6.0, device=device)
+        work = tdist.all_reduce(on_gpu, async_op=True)
+        work.wait()
+        out["cuda tensors on nccl"] = not isinstance(work, TorchWork) and \
+            torch.equal(on_gpu.cpu(), torch.arange(6.0) * world)
+        on_cpu = torch.arange(6.0)
+        work = tdist.all_reduce(on_cpu, async_op=True)
+        work.wait()
+        out["cpu tensors on shoal"] = isinstance(work, TorchWork) and torch.equal(on_cpu, torch.arange(6.0) * world)
+        gathered = torch.empty(2 * world, device=device)
+        tdist.all_gather_into_tensor(gathered, torch.full((2,), float(rank), device=device))
+        out["all_gather_into_tensor"] = gathered.tolist() == [float(r) for r in range(world) for _ in range(2)]
+        reduced = funcol.all_reduce(torch.ones(3, device=device), "sum", tdist.group.WORLD)
+        out["functional"] = torch.equal(reduced.cpu(), torch.full((3,), float(world)))
+
+        ddp = DistributedDataParallel(_net().to(device), device_ids=[0])
+        sharded = _net().to(device)
+        for layer in sharded:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(sharded)
+        for model in (ddp, sharded):
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for x, y in _batches(steps, world):
+                mine = slice(4 * rank, 4 * (rank + 1))
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x[mine].to(device)), y[mine].to(device)).backward()
+                optimizer.step()
+        out["ddp"] = [p.detach().cpu() for p in ddp.module.parameters()]
+        out["fsdp2"] = [p.full_tensor().detach().cpu() for p in sharded.parameters()]
+    finally:
+        tdist.destroy_process_group()
+    return out
+
+
+def test_torch_ddp_and_fsdp2_on_the_gpu_keep_nccl_under_the_device_map() -> None:
+    """NCCL refuses two ranks on one device: one rank, as this machine has one GPU."""
+    steps = 5
+    results = run_ranks(_torch_under_the_device_map, 1, steps, backend=None, timeout=120)
+    reference = _net()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _batches(steps, 1):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+    checks = results[0]
+    for model in ("ddp", "fsdp2"):
+        for got, want in zip(checks.pop(model), reference.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-9, atol=1e-12, msg=model)
+    assert all(checks.values()), checks

@@ -16,14 +16,14 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 SIZES = [0, 1, 1031, 300_001]
 
 
-def _init(rank: int, world: int, port: int) -> None:
+def _init(rank: int, world: int, port: int, backend: str = "shoal") -> None:
     import torch.distributed as tdist
 
     import shoal  # noqa: F401 - registers backend "shoal"
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's renames of its own functions
     torch.set_num_threads(1)
-    tdist.init_process_group("shoal", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    tdist.init_process_group(backend, f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                              timeout=timedelta(seconds=60))
 
 
@@ -226,3 +226,35 @@ def test_every_dispatched_op_equals_the_reference(world: int) -> None:
             if rank in members:
                 want += [float(sum(members)), float(members[-1]), float(len(members))]
         assert out[rank]["subgroups"] == [*want, float(world)]
+
+
+def _first_op_under(rank: int, world: int, port: int, backend: str) -> dict:
+    import torch.distributed as tdist
+
+    from shoal.comm.as_torch.work import TorchWork
+
+    _init(rank, world, port, backend)
+    try:
+        tensor = torch.full((4,), float(rank + 1))
+        work = tdist.all_reduce(tensor, async_op=True)
+        work.wait()
+        return {"sum": tensor.tolist(), "on shoal": isinstance(work, TorchWork)}
+    except ValueError as exc:
+        return {"error": str(exc)}
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("backend", "refused"), [
+    ("cpu:shoal,cuda:nccl", None),
+    ("cpu:gloo,cuda:shoal", "backend 'shoal' in a map must take the CPU"),
+    ("cpu:shoal,cuda:gloo", "cuda tensors beside shoal go to 'shoal' or 'nccl', not 'gloo'"),
+])
+def test_a_device_map_gives_shoal_the_cpu_and_refuses_what_it_cannot_build(backend: str, refused: str | None) -> None:
+    """(tests/test_cuda.py runs the map's CUDA half, where there is a GPU.)"""
+    out = run_ranks(_first_op_under, 2, backend, backend=None, timeout=60)
+    for rank in range(2):
+        if refused:
+            assert refused in out[rank]["error"]
+        else:
+            assert out[rank] == {"sum": [3.0] * 4, "on shoal": True}

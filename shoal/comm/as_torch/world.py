@@ -99,7 +99,8 @@ def _create(options, _backend_options) -> TorchGroup:
             if (_world.rank, _world.size) != (options.group_rank, options.group_size):
                 raise RuntimeError(f"torch's default group is rank {options.group_rank} of {options.group_size} "
                                    f"but this process's shoal world is rank {_world.rank} of {_world.size}")
-            return _made(TorchGroup(_world, release=lambda: None))  # shoal's destroy takes it down
+            # shoal's destroy takes it down
+            return _made(TorchGroup(_world, lambda: None, options.store, options.timeout))
         timeline.start_from_environment()
         store = Store(options.store)
         world = ShoalProcessGroup.create(store, options.group_rank, options.group_size, options.timeout,
@@ -111,7 +112,7 @@ def _create(options, _backend_options) -> TorchGroup:
             world.shutdown()
             raise
         _world = world
-        return _made(TorchGroup(world, release=lambda: _take_down(world)))
+        return _made(TorchGroup(world, lambda: _take_down(world), options.store, options.timeout))
     if _world is None or members.index(_world.transport.rank) != options.group_rank:
         raise RuntimeError(f"torch is making a group of ranks {members} on backend 'shoal', but this process "
                            f"has no shoal world numbered as torch's: call init_process_group('shoal') first")
@@ -126,7 +127,7 @@ def _create(options, _backend_options) -> TorchGroup:
         subgroup.shutdown()
         _ids_in_use.discard(group_id)
 
-    return _made(TorchGroup(subgroup, release=release))
+    return _made(TorchGroup(subgroup, release, options.store, options.timeout))
 
 
 def _made(group: TorchGroup) -> TorchGroup:
