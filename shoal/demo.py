@@ -142,10 +142,12 @@ def train(epochs: int = 10, *, backend: str = "shoal", batch_size: int = 32, lr:
             if epoch == start_epoch and batch < start_batch:
                 continue  # trained before the checkpoint we resumed from
             if live:
-                before, first = training.steps, sampler.offset
-                with training.step():  # applied on every member, or discarded on all (one was lost)
+                first = sampler.offset
+                with training.step() as live_step:  # applied on every member, or discarded on all (one was lost)
                     loss = nn.functional.cross_entropy(model(images), labels)
                     loss.backward()
+                if not live_step.committed:
+                    continue  # the next generation takes the step again: nothing below counts it
                 counts[order[first:sampler.offset]] += 1  # what the step committed: every member's share
                 step = training.steps  # a joiner counts on from the others' steps
             else:
@@ -158,8 +160,6 @@ def train(epochs: int = 10, *, backend: str = "shoal", batch_size: int = 32, lr:
             if metrics is not None:
                 metrics.step(loss=loss, samples=len(labels), generation=training.generation.number if live else None,
                              epoch=epoch)
-            if live and step == before:
-                continue  # discarded: the next generation takes the step again
             if manager is not None and step % checkpoint_every == 0:
                 manager.save(step, {"model": net.state_dict(), "optim": optimizer.state_dict(), "rng": capture_rng(),
                                     "epoch": epoch, "batch": batch + 1})

@@ -4,7 +4,9 @@ parameters equal a replay of the committed steps in one process."""
 
 from __future__ import annotations
 
+import collections
 import os
+import random
 import re
 import signal
 import subprocess
@@ -52,9 +54,9 @@ def _train(rank: int, world: int, _: int, store_port: int, victim: int | None, l
         if rank == victim and live.steps == lost_at:
             os.kill(os.getpid(), signal.SIGKILL)
         start = sampler.offset
-        with live.step():
+        with live.step() as step:
             nn.functional.cross_entropy(live.model(x), y).backward()
-        if sampler.offset != start:
+        if step.committed:
             ledger.append((start, sampler.offset, live.generation.size))
     live.close()
     return ledger, [p.detach().clone() for p in model.parameters()], live.generation.number
@@ -168,6 +170,31 @@ def test_with_min_workers_the_survivors_wait_for_each_lost_worker_started_again(
     assert sorted(entries[0][1].split()[:2] for entries in reports.values()) == [["3", "0"], ["3", "30"], ["3", "4"]]
     assert sorted(finals) == ["[rank0]", "[rank1]", "[rank2]"]
     assert finals["[rank0]"].startswith("samples 244 missing 0 twice 0 ")
+
+
+def test_the_loop_from_the_docs_counts_committed_steps_only_under_kills_at_random_steps() -> None:
+    """docs/training.md's loop (tests/scripts/live_train.py: a scheduler and a per-step log under
+    `if step.committed:`), two workers killed at random steps and started again: the members' logs of
+    what each committed step trained list every sample of every epoch exactly once, and every scheduler
+    stepped once per committed step."""
+    rng = random.Random()
+    victims = rng.sample(range(3), 2)
+    first = rng.randrange(2, 16)
+    kills = [f"{victims[0]}:{first}", f"{victims[1]}:{rng.randrange(first + 3, 30)}"]
+    result = _launch_live("--kill", kills[0], "--kill", kills[1], "--epochs", "3", restarts=2)
+    assert result.returncode == 0, f"kills {kills}: {result.stderr}"
+    trained = collections.Counter()
+    for line in result.stdout.splitlines():
+        _, _, text = line.partition(": ")
+        if text.startswith("trained "):
+            epoch, *indices = map(int, text.split()[1:])
+            trained.update((epoch, i) for i in indices)
+    assert trained == {(epoch, i): 1 for epoch in range(3) for i in range(SAMPLES)}, f"kills {kills}"
+    _, finals = _states(result.stdout)
+    assert finals, result.stdout
+    for text in finals.values():
+        fields = text.split()
+        assert fields[fields.index("scheduler") + 1] == fields[fields.index("steps") + 1], f"kills {kills}: {text}"
 
 
 def test_live_training_refuses_to_start_where_a_loss_would_stop_everyone(monkeypatch: pytest.MonkeyPatch) -> None:

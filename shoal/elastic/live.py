@@ -4,10 +4,11 @@ that workers join (restarted by their launcher, or new) without stopping the oth
     live = LiveTraining(net, optimizer, sampler)      # under `shoal run --live`
     for epoch in live.epochs(10):                     # a joiner starts at the epoch the others are in
         for x, y in live.batches(loader):
-            with live.step():
+            with live.step() as step:
                 loss_fn(live.model(x), y).backward()  # live.model: DDP over this generation's group
+            if step.committed:                        # applied on every member; else on none, taken again
+                scheduler.step()
     live.close()
-    # each step is applied (optimizer.step, sampler.commit) on every member, or on none
 
 Each step ends with one decision kept in the job's store (decisions.py). A discarded step is taken
 again, after the members still alive have agreed on the next generation (membership.py): DDP adopts
@@ -47,6 +48,16 @@ from shoal.parallel import DistributedDataParallel
 _LOSSES = (PeerFailure, GroupBrokenError)  # what ends a generation; anything else is the script's error
 _trainings = itertools.count()
 _JOIN_POLL_S = 0.2  # how often a step's decision looks for joiners: a store round trip, not made every step
+
+
+class Step:
+    """What `live.step()` gives the loop. A discarded step returns to the loop like a committed one (the
+    next generation takes it again), so code after the `with` block that counts steps (a scheduler's
+    step, a log line, metrics) belongs under `if step.committed:`."""
+
+    def __init__(self) -> None:
+        self.committed = False
+        """Applied on every member (optimizer.step, sampler.commit); False inside the block and when discarded."""
 
 
 class LiveTraining:
@@ -122,10 +133,12 @@ class LiveTraining:
                 return
 
     @contextmanager
-    def step(self) -> Iterator[None]:
-        """Around forward and backward: then the step is applied on every member or discarded on all."""
+    def step(self) -> Iterator[Step]:
+        """Around forward and backward: then the step is applied on every member or discarded on all
+        (`step.committed` says which)."""
+        step = Step()
         try:
-            yield
+            yield step
         except _LOSSES as exc:
             loss: BaseException | None = exc
         except BaseException:
@@ -141,6 +154,7 @@ class LiveTraining:
                 self.optimizer.step()
                 self.sampler.commit()
                 self.steps += 1
+                step.committed = True
                 self._joiners_to_admit = decision == GROW
         finally:
             self.optimizer.zero_grad()

@@ -3,7 +3,9 @@ RANK:STEP makes that rank SIGKILL itself before that step (in its first life onl
 launcher starts in its place joins and goes on); each --kill-launcher RANK:STEP makes it SIGKILL its
 launcher instead, which takes the worker with it (a lost node). Whenever its generation changes,
 each worker prints the step and a digest of its parameters, optimizer state and learning-rate
-schedule; each that finishes prints what its ledger of committed steps says. Run it as a module from
+schedule; after each committed step, each member prints the samples it trained in it ("trained EPOCH
+I J ..."); each that finishes prints what its ledger of committed steps says, and its scheduler's count.
+The loop is the one docs/training.md gives. Run it as a module from
 the repository's root, so that `tests` can be imported:
 
     shoal run --live --max-restarts 1 --nproc-per-node 3 -m tests.scripts.live_train --kill 1:5
@@ -39,7 +41,7 @@ first_life = os.environ.get("SHOAL_RESTART_COUNT", "0") == "0"
 
 generator = torch.Generator().manual_seed(5)
 x = torch.randn(61, 6, generator=generator, dtype=torch.float64)
-data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long(), torch.arange(len(x)))  # each sample's index too
 torch.manual_seed(0)
 model = nn.Linear(6, 2).double()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -67,7 +69,7 @@ grown = False  # a generation has admitted a joiner: --await-joiner waits no mor
 trained: list[tuple[int, int]] = []
 for epoch in live.epochs(args.epochs):
     order = sampler.order()
-    for inputs, labels in live.batches(torch.utils.data.DataLoader(data, batch_sampler=sampler)):
+    for inputs, labels, indices in live.batches(torch.utils.data.DataLoader(data, batch_sampler=sampler)):
         if live.generation.number != reported:
             reported, grown, size = report(), grown or live.generation.size > size, live.generation.size
         if args.await_joiner and not grown and live.generation.size < full_size:
@@ -80,13 +82,14 @@ for epoch in live.epochs(args.epochs):
             os.kill(os.getppid(), signal.SIGKILL)
             time.sleep(60)  # the kernel kills this worker with its launcher (shoal.orphans)
         start = sampler.offset
-        committed = live.steps
-        with live.step():
+        with live.step() as step:
             nn.functional.cross_entropy(live.model(inputs), labels).backward()
-        if live.steps > committed:
+        if step.committed:
             scheduler.step()
-        trained += [(epoch, i) for i in order[start:sampler.offset]]  # what the step committed, every member's share
+            print(f"trained {epoch} {' '.join(map(str, indices.tolist()))}", flush=True)
+            trained += [(epoch, i) for i in order[start:sampler.offset]]  # every member's share
 once = len(set(trained))
 print(f"samples {once} missing {args.epochs * len(data) - once} twice {len(trained) - once} "
-      f"generation {live.generation.number} of {live.generation.size} steps {live.steps} state {digest()}")
+      f"generation {live.generation.number} of {live.generation.size} steps {live.steps} state {digest()} "
+      f"scheduler {scheduler.last_epoch}")
 live.close()
