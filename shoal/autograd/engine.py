@@ -60,13 +60,22 @@ _running_lock = threading.Lock()
 def backward(context: Context, roots: Sequence[torch.Tensor], retain_graph: bool, timeout: float) -> None:
     """Run the distributed backward from `roots` and return once every pass of it is done; raise
     the first error any pass met, PeerFailure if a worker died meanwhile, TimeoutError after
-    `timeout` seconds."""
+    `timeout` seconds.
+
+    Every pass runs on the passes thread, this worker's own too, as torch runs its distributed backward
+    on an engine thread: in a process forked after its parent ran a parallel torch op, OpenMP's threads
+    for the main thread are the parent's, which the child lacks, and a parallel op there waits for them
+    for good; a thread started in the child gets threads of its own."""
     number, record = next(_numbers), _Backward()
     with _running_lock:
         _running[number] = record
     try:
-        run_pass(context, roots, [torch.ones_like(root) for root in roots], retain_graph,
-                 (current_agent().rank, number), Fraction(1))
+        first_pass = (run_pass, context, roots, [torch.ones_like(root) for root in roots], retain_graph,
+                      (current_agent().rank, number), Fraction(1))
+        if contexts.passes.on_own_thread():  # a backward started from within a pass: the thread is ours
+            first_pass[0](*first_pass[1:])
+        else:
+            contexts.passes.submit(*first_pass)
         if not record.over.wait(timeout):
             raise TimeoutError(f"distributed backward in context {context.id} did not finish within {timeout:g}s")
         if record.error is not None:

@@ -75,17 +75,11 @@ class DistributedOptimizer:
         self._local_optimizers = pending
 
     def step(self, context_id: int) -> None:
-        # The other owners' steps start first; this worker's own runs here meanwhile, not over RPC.
-        remote = [rpc.rpc_async(local.owner(), _step, args=(local, context_id))
-                  for local in self._local_optimizers if not local.is_owner()]
+        # Every owner's step runs on its RPC threads, this worker's own too, as torch's do: never on the
+        # caller's thread, whose parallel ops hang in a process forked after a parallel op (autograd/engine.py).
+        futures = [rpc.rpc_async(local.owner(), _step, args=(local, context_id)) for local in self._local_optimizers]
         errors = []
-        for local in self._local_optimizers:
-            if local.is_owner():
-                try:
-                    local.local_value().step(context_id)
-                except Exception as exc:
-                    errors.append(exc)
-        for future in remote:
+        for future in futures:
             try:
                 future.wait()
             except Exception as exc:
