@@ -20,6 +20,7 @@ from types import TracebackType
 import torch
 
 from shoal.autograd import engine
+from shoal.forks import renew_locks_in_child
 from shoal.parallel.ddp import DistributedDataParallel, register_sync_forward_hook
 from shoal.rpc.autograd_context import Context
 from shoal.rpc.autograd_contexts import contexts
@@ -30,6 +31,7 @@ from shoal.rpc.functions import runs_on_reader
 # replica, so that neither outlives its use (a context ends with its `with`, or with a worker's death).
 _forwarded: weakref.WeakKeyDictionary[Context, list[weakref.ref[DistributedDataParallel]]] = weakref.WeakKeyDictionary()
 _forwarded_lock = threading.Lock()
+renew_locks_in_child(globals(), "_forwarded_lock")
 
 
 def _note_forward(replica: DistributedDataParallel) -> None:

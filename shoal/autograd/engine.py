@@ -24,6 +24,7 @@ from fractions import Fraction
 import torch
 
 from shoal.errors import GroupBrokenError, PeerFailure
+from shoal.forks import renew_locks_in_child
 from shoal.rpc.autograd_context import Context
 from shoal.rpc.autograd_contexts import contexts
 from shoal.rpc.current import current_agent
@@ -55,6 +56,7 @@ class _Backward:
 _numbers = itertools.count()
 _running: dict[int, _Backward] = {}
 _running_lock = threading.Lock()
+renew_locks_in_child(globals(), "_running_lock")
 
 
 def backward(context: Context, roots: Sequence[torch.Tensor], retain_graph: bool, timeout: float) -> None:

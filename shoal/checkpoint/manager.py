@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from shoal.forks import refuse_in_child
+
 log = logging.getLogger(__name__)
 
 
@@ -84,11 +86,14 @@ class CheckpointManager:
         self.rank = rank
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._made_in = os.getpid()
 
     def save(self, step: int, state: dict[str, Any], *, per_rank: bool = False) -> None:
         """Checkpoint `state` as of `step`. With async_save, returns once the snapshot is taken."""
         if not per_rank and self.rank != 0:
             return
+        # A forked child would race its parent's writer on the manifest, and could not see that writer end.
+        refuse_in_child(self._made_in, "this CheckpointManager", "make one in this process")
         self.wait()  # one write at a time; also surfaces the previous write's error
         snapshot = _snapshot(state)
         if not self.async_save:

@@ -8,6 +8,7 @@ so the store outlives any worker. Otherwise rank 0 serves it."""
 from __future__ import annotations
 
 import collections
+import os
 import secrets
 import socket
 import threading
@@ -85,6 +86,15 @@ _connecting = threading.Lock()
 # other user of the connection, never meets the claims of its earlier incarnation. Every rank
 # starts and stops its groups in the same order, so all of them count alike.
 _joins: collections.Counter[tuple[Hashable, str]] = collections.Counter()
+
+
+def _forget_in_child() -> None:
+    """A forked child connects to stores anew: its parent's connections are the parent's to use."""
+    global _connections, _connecting, _joins
+    _connections, _connecting, _joins = weakref.WeakValueDictionary(), threading.Lock(), collections.Counter()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def join(endpoint: Endpoint, timeout: timedelta, namespace: str = "shoal/") -> Store:

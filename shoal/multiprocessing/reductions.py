@@ -25,8 +25,11 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions as torch_reductions
 
+from shoal.forks import renew_locks_in_child
+
 _FD = "_shoal_memfd"  # attribute of a storage this process maps from a memfd: the file's descriptor
 _moving = threading.Lock()
+renew_locks_in_child(globals(), "_moving")
 
 
 def _map(fd: int, nbytes: int) -> torch.UntypedStorage:

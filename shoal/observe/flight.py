@@ -62,10 +62,15 @@ class Entry:
 class FlightRecorder:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        self.forget()
+
+    def forget(self) -> None:
+        """Nothing recorded yet: at start, and in a forked child, whose parent's operations and rank are
+        not its own (and whose parent's lock may be held for good)."""
         # Our rank in the job: the default group's, once it is up; until then the launcher's RANK (read
         # when a dump needs it, not at import, where a malformed RANK would stop every program).
         self.rank: int | None = None
-        self._entries: collections.deque[Entry] = collections.deque(maxlen=max(capacity, 1))
+        self._entries: collections.deque[Entry] = collections.deque(maxlen=max(self.capacity, 1))
         self._dump_lock = threading.Lock()
 
     def record(self, group: int | str, ranks: tuple[int, ...], seq: int, name: str, what: str | Callable[[], str],
@@ -107,6 +112,7 @@ class FlightRecorder:
 
 
 recorder = FlightRecorder(config.SHOAL_FLIGHT_RECORDER.get())
+os.register_at_fork(after_in_child=recorder.forget)
 
 
 def dump_on_sigusr1() -> None:

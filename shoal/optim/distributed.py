@@ -10,17 +10,20 @@ from typing import Any
 import torch
 
 from shoal.autograd import get_gradients
+from shoal.forks import renew_locks_in_child
 from shoal.rpc import api as rpc
 from shoal.rpc.rref import RRef
+
+# Several trainers may step at once, each with its own DistributedOptimizer (and so its own local
+# optimizer) over the same parameters: one lock for all of them on this worker keeps their steps from
+# mixing each other's gradients.
+_stepping = threading.Lock()
+renew_locks_in_child(globals(), "_stepping")
 
 
 class _LocalOptimizer:
     """Lives on a parameters' owner. Each step puts one context's gradients into `.grad` for its
-    length only. Several trainers may step at once, each with its own DistributedOptimizer (and so
-    its own local optimizer) over the same parameters: one lock for all of them on this worker
-    keeps their steps from mixing each other's gradients."""
-
-    _lock = threading.Lock()
+    length only."""
 
     def __init__(self, optimizer_class: type[torch.optim.Optimizer], params: list[torch.Tensor], args: tuple,
                  kwargs: dict) -> None:
@@ -32,7 +35,7 @@ class _LocalOptimizer:
 
     def apply(self, gradients: dict[torch.Tensor, torch.Tensor]) -> None:
         """One optimizer step with these gradients; parameters without one are skipped."""
-        with _LocalOptimizer._lock:
+        with _stepping:
             for param in self._params:
                 param.grad = gradients.get(param)
             try:

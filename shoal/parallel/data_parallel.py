@@ -73,7 +73,9 @@ class DataParallel(nn.Module):
         return tree_unflatten(list(outputs), step.out_spec)
 
     def _run(self, jobs: list[Callable[[], Any]]) -> list:
-        if self._threads is None:  # started at first use, so a model built and never run starts none
+        # Started at first use, so a model built and never run starts none; again in a forked child, which
+        # has none of its parent's threads.
+        if self._threads is None or self._threads.made_in != os.getpid():
             self._threads = _ReplicaThreads(self.replicas)
         return self._threads.run(jobs)
 
@@ -241,6 +243,7 @@ class _ReplicaThreads:
     """One thread per replica, each with its own inbox: a pool could hand several replicas to one thread."""
 
     def __init__(self, count: int) -> None:
+        self.made_in = os.getpid()
         self._inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(count)]
         threads = [threading.Thread(target=_serve, args=(inbox,), name=f"shoal-dp-replica-{i}", daemon=True)
                    for i, inbox in enumerate(self._inboxes)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -39,10 +40,18 @@ class ContextRegistry:
     """Every distributed autograd context this worker takes part in, by id."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._contexts: dict[int, Context] = {}
         self._numbers = itertools.count()
         self._send_ids = itertools.count()
+        self._thread = threading.local()
+        self._failure_listeners: list[Callable[[int], None]] = []
+        self.forget()
+
+    def forget(self) -> None:
+        """No contexts, and a passes thread still to start: at import, and in a forked child, whose parent's
+        lock may be held for good and whose passes thread is gone (nothing here is shut down: the objects
+        are the parent's)."""
+        self._lock = threading.Lock()
+        self._contexts: dict[int, Context] = {}
         self._dead: set[int] = set()
         # The last contexts released here, so that a late message cannot recreate one (bounded:
         # a message later than this many releases would find it gone and recreate it).
@@ -50,8 +59,6 @@ class ContextRegistry:
         self._released_ids: set[int] = set()
         self._rank: int | None = None
         self.passes = _passes_thread()
-        self._thread = threading.local()
-        self._failure_listeners: list[Callable[[int], None]] = []
 
     def when_peer_fails(self, listener: Callable[[int], None]) -> None:
         """Call `listener(rank)` after a worker's death has ended its contexts here."""
@@ -170,6 +177,7 @@ class ContextRegistry:
 
 
 contexts = ContextRegistry()
+os.register_at_fork(after_in_child=contexts.forget)
 
 
 # ---- what the agent calls with each message ----------------------------------------------------------

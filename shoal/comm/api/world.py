@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import os
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -34,6 +35,17 @@ _subgroups: list[ProcessGroup] = []
 # so the count tells apart two groups of the same ranks.
 named_groups: collections.Counter[tuple[str | int, ...]] = collections.Counter()
 default_pg_timeout = DEFAULT_TIMEOUT  # torch's name for the timeout a group gets when given none
+
+
+def _forget_in_child() -> None:
+    """A forked child starts with no groups, free to init its own: the parent's, which it still holds
+    without their threads, refuse to work there (and their shutdown leaves the parent's links alone)."""
+    global _world, _subgroups
+    _world, _subgroups = None, []
+    named_groups.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class _WorldMeta(type):

@@ -9,6 +9,7 @@ group torch makes later (`new_group`, a DeviceMesh's dimensions) is a subgroup o
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 
 import torch.distributed as tdist
@@ -24,6 +25,15 @@ BACKEND = "shoal"
 _world: ShoalProcessGroup | None = None
 _torch_groups: weakref.WeakSet[TorchGroup] = weakref.WeakSet()  # torch's groups over `_world`, still alive
 _ids_in_use: set[int] = set()  # the frame ids of torch's subgroups over `_world`
+
+
+def _forget_in_child() -> None:
+    """A forked child has no shoal world (comm/api/world.py); torch's groups it inherited refuse to work."""
+    global _world, _torch_groups, _ids_in_use
+    _world, _torch_groups, _ids_in_use = None, weakref.WeakSet(), set()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def register() -> None:

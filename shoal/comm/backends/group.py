@@ -4,6 +4,7 @@ checks they share. Backends implement the `_start_*` methods; every op returns a
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -29,6 +30,7 @@ class ProcessGroup(abc.ABC):
         self.rank = self.ranks.index(global_rank)
         self.size = len(self.ranks)
         self.timeout = timeout
+        self.made_in = os.getpid()  # a process forked from this one holds the group without its threads
 
     @property
     def device(self) -> torch.device:

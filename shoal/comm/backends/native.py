@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from shoal.comm.transport.frames import Op, Recv, SendTracker, Signature, as_byt
 from shoal.comm.transport.mesh import Transport
 from shoal.comm.transport.staging import staged
 from shoal.errors import CollectiveMismatchError, GroupBrokenError
+from shoal.forks import refuse_in_child
 from shoal.observe import events
 from shoal.observe.flight import recorder
 
@@ -170,6 +172,7 @@ class ShoalProcessGroup(ProcessGroup):
                     redop: int = 0, root: int = 0, numel: int | None = None,
                     finish: Callable[[], None] = lambda: None, blocking: bool = False,
                     timeout: timedelta | None = None) -> Work:
+        self._refuse_if_forked()
         dtype = dtypes.code(tensor.dtype, f"{name} on the shoal backend") if tensor is not None else 0
         count = numel if numel is not None else (tensor.numel() if tensor is not None else 0)
         sig = (_OPS.index(name), dtype, int(redop), root, count)
@@ -306,6 +309,7 @@ class ShoalProcessGroup(ProcessGroup):
             events.flow(begins, int.from_bytes(hashlib.blake2b(key, digest_size=6).digest(), "big"), at)
 
     def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work:
+        self._refuse_if_forked()
         flat, _ = _staged(tensor)
         work = Work(f"send to rank {self.ranks[dst]}", self.timeout)
 
@@ -326,6 +330,7 @@ class ShoalProcessGroup(ProcessGroup):
         return work
 
     def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work:
+        self._refuse_if_forked()
         flat, back = _staged(tensor)
         work = Work(f"recv from rank {self.ranks[src]}", self.timeout)
 
@@ -367,7 +372,12 @@ class ShoalProcessGroup(ProcessGroup):
         carry `group_id`: every member must pass the same one, and no other group of theirs may use it."""
         return ShoalProcessGroup(self.transport, ranks, group_id, timeout, self._next_group_id)
 
+    def _refuse_if_forked(self) -> None:
+        refuse_in_child(self.made_in, "this process group", "call init_process_group in this process")
+
     def shutdown(self) -> None:
+        if os.getpid() != self.made_in:
+            return  # the parent's connections, which it goes on using: a forked child leaves them alone
         self._queue.close(self.timeout)
         self._placement = None  # our arena's memory goes once the peers have let go of it too
         if self._owns_transport:

@@ -10,6 +10,8 @@ from datetime import timedelta
 
 import torch
 
+from shoal.forks import renew_locks_in_child
+
 Signature = tuple[int, int, int, int, int]  # (op, dtype, reduce op, root, numel)
 
 
@@ -41,6 +43,7 @@ class Op:
 
 
 _FINISH_LOCK = threading.Lock()
+renew_locks_in_child(globals(), "_FINISH_LOCK")
 
 
 class Recv:
