@@ -113,6 +113,44 @@ def test_batch_norm_statistics_come_from_the_first_replica_and_eval_needs_no_gra
     torch.testing.assert_close(out, net(x))
 
 
+class _ReadsThenCounts(nn.Module):
+    """Reads a buffer in its forward, then updates it in place, as BatchNorm does its statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x + self.steps
+        self.steps += 1
+        return out
+
+
+def test_every_replica_sees_the_buffers_as_they_were_before_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second replica starts late: its buffers must still be the module's from before the first
+    replica updated them in place, as torch's replicas get theirs before any runs."""
+    import shoal.parallel.data_parallel as data_parallel
+
+    replicate = data_parallel._replicate
+
+    def late_second_replica(*args):
+        if threading.current_thread().name.endswith("replica-1"):
+            started.wait(5)  # until the first replica has run its forward
+        replica = replicate(*args)
+        if threading.current_thread().name.endswith("replica-0"):
+            replica.register_forward_hook(lambda *_: started.set())
+        return replica
+
+    started = threading.Event()
+    monkeypatch.setattr(data_parallel, "_replicate", late_second_replica)
+    model = DataParallel(_ReadsThenCounts(), replicas=2)
+    for step in range(3):
+        started.clear()
+        out = model(torch.zeros(4, 1, dtype=torch.float64))
+        torch.testing.assert_close(out, torch.full((4, 1), float(step), dtype=torch.float64))
+    assert model.module.steps.item() == 3  # the first replica's updates, the module's own
+
+
 def test_a_failing_replica_raises_its_own_error() -> None:
     class Picky(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -107,10 +107,14 @@ class _Step:
         return [self._gather(j) for j in range(len(self.outputs[0]))]
 
     def _replica_job(self, r: int, build_graph: bool) -> Callable[[], tuple]:
+        # The other replicas' copies of the buffers are taken here, before any replica runs: the first one
+        # updates the module's own in place (BatchNorm's running statistics) while the others start.
+        copies = None if r == 0 or not self.owner.training else {b: b.clone() for b in self.owner.module.buffers()}
+
         def job() -> tuple:
             inputs = {i: _leaf(p[r]) for i, p in self.pieces.items()}
             aliases = {p: _leaf(p) for p in self.params}
-            replica = _replicate(self.owner.module, aliases, share_buffers=r == 0 or not self.owner.training)
+            replica = _replicate(self.owner.module, aliases, copies)
             args, kwargs = tree_unflatten([inputs.get(i, x) for i, x in enumerate(self.flat)], self.spec)
             with torch.set_grad_enabled(build_graph):
                 outputs, out_spec = tree_flatten(replica(*args, **kwargs))
@@ -198,8 +202,10 @@ def _leaf(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().requires_grad_(tensor.requires_grad)
 
 
-def _replicate(module: nn.Module, aliases: dict[nn.Parameter, torch.Tensor], share_buffers: bool) -> nn.Module:
-    """A shallow copy of the module tree whose parameters are `aliases`; buffers shared or copied.
+def _replicate(module: nn.Module, aliases: dict[nn.Parameter, torch.Tensor],
+               buffer_copies: dict[torch.Tensor, torch.Tensor] | None) -> nn.Module:
+    """A shallow copy of the module tree whose parameters are `aliases`; its buffers the module's own
+    (`buffer_copies` None), or their copies.
 
     Shared buffers see in-place updates (BatchNorm's running statistics); the first replica shares
     them, like the replica on torch's first device, and the others' updates are dropped, as in torch.
@@ -209,8 +215,8 @@ def _replicate(module: nn.Module, aliases: dict[nn.Parameter, torch.Tensor], sha
         for name, param in original._parameters.items():
             setattr(replica, name, None if param is None else aliases[param])
         for name, buffer in original._buffers.items():
-            if buffer is not None and not share_buffers:
-                replica._buffers[name] = buffer.clone()
+            if buffer is not None and buffer_copies is not None:
+                replica._buffers[name] = buffer_copies[buffer]
         for name, child in original._modules.items():
             replica._modules[name] = None if child is None else copies[child]
     return copies[module]
