@@ -195,6 +195,35 @@ def test_a_storage_sent_from_two_threads_at_once_moves_to_shared_memory_once() -
             assert len(set(pool.map(_descriptor, [storage, storage]))) == 1
 
 
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_failed_move_to_shared_memory_leaves_the_tensor_private_and_no_descriptor_open(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared memory short (the move's mapping fails), on the sender and on the receiver."""
+    from shoal.multiprocessing import reductions
+
+    def no_memory(fd: int, nbytes: int) -> torch.UntypedStorage:
+        raise OSError(12, "Cannot allocate memory")
+
+    tensor = torch.arange(1000.0)
+    before = _open_descriptors()
+    monkeypatch.setattr(reductions, "_map", no_memory)
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        ForkingPickler.dumps(tensor)
+    assert _open_descriptors() == before
+    assert not tensor.is_shared() and torch.equal(tensor, torch.arange(1000.0))
+
+    class Handle:  # what multiprocessing hands a receiver: a descriptor to detach
+        def detach(self) -> int:
+            return os.memfd_create("received")
+
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        reductions._rebuild_storage(Handle(), 4000)
+    assert _open_descriptors() == before
+
+
 def test_a_non_leaf_that_requires_grad_is_refused_by_name() -> None:
     with pytest.raises(RuntimeError, match="requires grad and is not a leaf"):
         ForkingPickler.dumps(torch.ones(2, requires_grad=True) * 2)

@@ -57,19 +57,28 @@ def _descriptor_locked(storage: torch.UntypedStorage) -> int:
         fd, _ = storage._share_fd_cpu_()
         return fd
     fd = os.memfd_create("shoal-tensor", os.MFD_CLOEXEC)
-    os.ftruncate(fd, storage.nbytes())
-    shared = _map(fd, storage.nbytes())
-    shared.copy_(storage)
-    # Swap the memory under the storage itself, not under one tensor, so that every view follows;
-    # `shared` is left holding the private memory and frees it.
-    storage._swap_data_ptr_(shared)
+    try:
+        os.ftruncate(fd, storage.nbytes())  # fails where shared memory is short: the storage stays as it was
+        shared = _map(fd, storage.nbytes())
+        shared.copy_(storage)
+        # Swap the memory under the storage itself, not under one tensor, so that every view follows;
+        # `shared` is left holding the private memory and frees it.
+        storage._swap_data_ptr_(shared)
+    except BaseException:
+        os.close(fd)
+        raise
     _own(storage, fd)
     return fd
 
 
 def _rebuild_storage(handle: Any, nbytes: int) -> torch.UntypedStorage:
     fd = handle.detach()
-    return _own(_map(fd, nbytes), fd)
+    try:
+        shared = _map(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _own(shared, fd)
 
 
 def reduce_storage(storage: torch.UntypedStorage) -> tuple:
