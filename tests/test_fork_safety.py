@@ -85,7 +85,10 @@ def _refused(call: Callable[[], object]) -> str:
 
 
 def _group_across_a_fork(rank: int, world: int) -> dict:
+    import torch.distributed as tdist
+
     import shoal.distributed as dist
+    from shoal.ports import free_port
 
     group = dist.group.WORLD
     seen = {}
@@ -94,7 +97,18 @@ def _group_across_a_fork(rank: int, world: int) -> dict:
             refused = _refused(lambda: dist.all_reduce(torch.ones(3), group=group))
             group.shutdown()  # the parent's links: left alone
             dist.destroy_process_group()
-            return {"refused": refused, "initialized": dist.is_initialized()}
+            out = {"refused": refused, "initialized": dist.is_initialized()}
+            # a world of its own, each API's: torch's default group lent by the parent's init is taken back
+            tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+            tensor = torch.ones(2)
+            tdist.all_reduce(tensor)
+            tdist.destroy_process_group()
+            dist.init_process_group("shoal", f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            tdist.all_reduce(tensor)  # torch's default group: lent by this process's own shoal world
+            dist.all_reduce(tensor)
+            dist.destroy_process_group()
+            out["own worlds"] = tensor.tolist()
+            return out
         seen = _in_child(checks)
     tensor = torch.full((3,), float(rank + 1))
     dist.all_reduce(tensor)  # the parent's group, after its child's tries
@@ -105,7 +119,7 @@ def _group_across_a_fork(rank: int, world: int) -> dict:
 def test_a_process_group_made_before_a_fork_refuses_in_the_child_and_the_parent_goes_on() -> None:
     out = run_ranks(_group_across_a_fork, 2, timeout=90)
     assert out[1] == {"after": [3.0] * 3}
-    assert out[0]["after"] == [3.0] * 3 and out[0]["initialized"] is False
+    assert out[0]["after"] == [3.0] * 3 and out[0]["initialized"] is False and out[0]["own worlds"] == [1.0] * 2
     assert "this process group was made in process" in out[0]["refused"]
     assert "call init_process_group in this process, or start this process with 'spawn'" in out[0]["refused"]
 

@@ -17,6 +17,7 @@ back however long it is, where answering the worker before in turn would take on
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Sequence
 from fractions import Fraction
@@ -24,7 +25,6 @@ from fractions import Fraction
 import torch
 
 from shoal.errors import GroupBrokenError, PeerFailure
-from shoal.forks import renew_locks_in_child
 from shoal.rpc.autograd_context import Context
 from shoal.rpc.autograd_contexts import contexts
 from shoal.rpc.current import current_agent
@@ -56,7 +56,15 @@ class _Backward:
 _numbers = itertools.count()
 _running: dict[int, _Backward] = {}
 _running_lock = threading.Lock()
-renew_locks_in_child(globals(), "_running_lock")
+
+
+def _forget_in_child() -> None:
+    """A forked child runs none of its parent's backwards (and its parent's lock may be held for good)."""
+    global _running, _running_lock
+    _running, _running_lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def backward(context: Context, roots: Sequence[torch.Tensor], retain_graph: bool, timeout: float) -> None:
@@ -72,12 +80,20 @@ def backward(context: Context, roots: Sequence[torch.Tensor], retain_graph: bool
     with _running_lock:
         _running[number] = record
     try:
-        first_pass = (run_pass, context, roots, [torch.ones_like(root) for root in roots], retain_graph,
-                      (current_agent().rank, number), Fraction(1))
+        own = threading.Event()  # this worker's own pass is over: `timeout` bounds the others', as it always has
+
+        def first_pass() -> None:
+            try:
+                run_pass(context, roots, [torch.ones_like(root) for root in roots], retain_graph,
+                         (current_agent().rank, number), Fraction(1))
+            finally:
+                own.set()
+
         if contexts.passes.on_own_thread():  # a backward started from within a pass: the thread is ours
-            first_pass[0](*first_pass[1:])
+            first_pass()
         else:
-            contexts.passes.submit(*first_pass)
+            contexts.passes.submit(first_pass)
+        own.wait()
         if not record.over.wait(timeout):
             raise TimeoutError(f"distributed backward in context {context.id} did not finish within {timeout:g}s")
         if record.error is not None:

@@ -28,11 +28,12 @@ def originator(context_id: int) -> int:
 
 
 def _passes_thread() -> WorkerPool:
-    """The one thread that runs the backward passes other workers ask of this one, as torch's engine
-    has one: the gradients they make (25 MB for an embedding table) come from one malloc arena, which
-    reuses their memory step after step instead of faulting in fresh pages. The price is torch's
-    too: passes run one at a time, so a pass that blocks (a custom autograd Function making an RPC
-    whose answer needs another pass here) waits out its timeout."""
+    """The one thread that runs the passes of distributed backwards on this worker, those other workers
+    ask of it and its own (autograd/engine.py says why), as torch's engine has one: the gradients they
+    make (25 MB for an embedding table) come from one malloc arena, which reuses their memory step
+    after step instead of faulting in fresh pages. The price is torch's too: passes run one at a time,
+    so a pass that blocks (a custom autograd Function making an RPC whose answer needs another pass
+    here) waits out its timeout."""
     return WorkerPool(1, "shoal-autograd-passes")
 
 

@@ -40,5 +40,5 @@ def current_or_none() -> RpcAgent | None:
 
 
 def set_current(agent: RpcAgent | None) -> None:
-    global _current
-    _current = agent
+    global _current, _forked_from
+    _current, _forked_from = agent, None

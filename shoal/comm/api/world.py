@@ -40,8 +40,9 @@ default_pg_timeout = DEFAULT_TIMEOUT  # torch's name for the timeout a group get
 def _forget_in_child() -> None:
     """A forked child starts with no groups, free to init its own: the parent's, which it still holds
     without their threads, refuse to work there (and their shutdown leaves the parent's links alone)."""
-    global _world, _subgroups
-    _world, _subgroups = None, []
+    global _world
+    _world = None
+    _subgroups.clear()  # in place: groups.py holds this list too
     named_groups.clear()
 
 

@@ -35,14 +35,15 @@ def _one(tensors: list[torch.Tensor], fn: str) -> torch.Tensor:
     return tensors[0]
 
 
-def _device_type(args: tuple | list) -> str | None:
-    """The device of an operation's first tensor (its lists nest); None for one without tensors."""
+def _device_types(args: tuple | list) -> set[str]:
+    """The devices of an operation's tensors (its lists nest)."""
+    found = set()
     for arg in args:
         if isinstance(arg, torch.Tensor):
-            return arg.device.type
-        if isinstance(arg, list | tuple) and (found := _device_type(arg)) is not None:
-            return found
-    return None
+            found.add(arg.device.type)
+        elif isinstance(arg, list | tuple):
+            found |= _device_types(arg)
+    return found
 
 
 # torch 2.13 renamed these methods; its dispatch still finds the old names, and torch before it knows only
@@ -100,13 +101,20 @@ class TorchGroup(tdist.ProcessGroup):
         self._desc = desc
 
     def shutdown(self) -> None:
-        release, self._release = self._release, lambda: None
-        release()
-        for other in self._others.values():
-            other.shutdown()
+        self._end(lambda other: other.shutdown())
 
     def abort(self) -> None:
-        self.shutdown()
+        self._end(lambda other: other.abort())  # NCCL's abort, not its shutdown: a stuck collective may be why
+
+    def _end(self, end_other: Callable[[tdist.ProcessGroup], None]) -> None:
+        release, self._release = self._release, lambda: None
+        with self._building:
+            others, self._others, self._map = self._others, {}, {}  # ended: every operation on shoal's, refused
+        try:
+            release()
+        finally:
+            for other in others.values():
+                end_other(other)
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -117,10 +125,14 @@ class TorchGroup(tdist.ProcessGroup):
                          if backend != device_map.SHOAL}
         if not self._map:
             return None
-        device = _device_type(args) or "cpu"
-        if device not in self._map:
-            return None
+        devices = _device_types(args) or {"cpu"}
+        if len(devices) > 1:
+            raise ValueError(f"an operation on tensors of {sorted(devices)} under the device map "
+                             f"{tdist.get_backend_config(self)!r}: each device's backend takes its own tensors alone")
+        device = devices.pop()
         with self._building:
+            if device not in self._map:  # shoal's, or the group has ended
+                return None
             if device not in self._others:
                 self._others[device] = device_map.nccl_group(self._store, self.rank(), self.size(), self._timeout,
                                                              list(self.shoal_group.ranks), self._name)

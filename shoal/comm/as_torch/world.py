@@ -28,7 +28,9 @@ _ids_in_use: set[int] = set()  # the frame ids of torch's subgroups over `_world
 
 
 def _forget_in_child() -> None:
-    """A forked child has no shoal world (comm/api/world.py); torch's groups it inherited refuse to work."""
+    """A forked child has no shoal world (comm/api/world.py); torch's groups it inherited refuse to work. A
+    default group lent to torch stays torch's default until the child initializes either API, which takes
+    it back first (`_lent` still names it)."""
     global _world, _torch_groups, _ids_in_use
     _world, _torch_groups, _ids_in_use = None, weakref.WeakSet(), set()
 
@@ -50,6 +52,7 @@ def share(world: ShoalProcessGroup, store: Store) -> None:
     """Shoal's init brought `world` up: lend torch a default group over it, unless the script has
     initialized torch.distributed itself (then torch keeps its own, and only shoal's functions use ours)."""
     global _world
+    _withdraw_default_group()  # one lent by the process this one was forked from
     _world = world
     if not tdist.is_initialized():
         tdist.init_process_group(BACKEND, store=tdist.PrefixStore(store.prefix + "torch/", store.raw),
@@ -70,10 +73,12 @@ def unshare() -> None:
 # The default group shoal lends torch must not stop a script that then initializes torch.distributed itself
 # (say, on gloo beside shoal's groups): while it is lent, torch's init_process_group first takes it back.
 _torch_init = None
+_lent: TorchGroup | None = None
 
 
 def _lend_default_group() -> None:
-    global _torch_init
+    global _torch_init, _lent
+    _lent = tdist.distributed_c10d._get_default_group()
     _torch_init = original = tdist.init_process_group
 
     @functools.wraps(original)
@@ -86,17 +91,13 @@ def _lend_default_group() -> None:
 
 def _withdraw_default_group() -> None:
     """Destroy torch's groups over our world, if torch's default group is still the one we lent."""
-    global _torch_init
+    global _torch_init, _lent
     if _torch_init is None:
         return
     tdist.init_process_group = tdist.distributed_c10d.init_process_group = _torch_init
-    _torch_init = None
-    if tdist.is_initialized() and _wraps(tdist.distributed_c10d._get_default_group(), _world):
+    lent, _torch_init, _lent = _lent, None, None
+    if tdist.is_initialized() and tdist.distributed_c10d._get_default_group() is lent:
         tdist.destroy_process_group()
-
-
-def _wraps(group: tdist.ProcessGroup, world: ShoalProcessGroup) -> bool:
-    return isinstance(group, TorchGroup) and group.shoal_group is world
 
 
 def _create(options, _backend_options) -> TorchGroup:

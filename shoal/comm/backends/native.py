@@ -370,6 +370,7 @@ class ShoalProcessGroup(ProcessGroup):
     def subgroup(self, ranks: Sequence[int], group_id: int, timeout: timedelta) -> ShoalProcessGroup:
         """A group of the given global ranks (ours among them) over this group's transport, whose frames
         carry `group_id`: every member must pass the same one, and no other group of theirs may use it."""
+        self._refuse_if_forked()
         return ShoalProcessGroup(self.transport, ranks, group_id, timeout, self._next_group_id)
 
     def _refuse_if_forked(self) -> None:

@@ -1,5 +1,5 @@
 """The threads that run an agent's served calls and callbacks (and, one thread of it, the
-backward passes other workers ask of this one).
+passes of distributed backwards on this worker).
 
 Each item is a plain function call: the agent answers through messages of its own, so it needs none
 of the per-item futures, condition variables and semaphores of concurrent.futures' pool, whose
