@@ -96,6 +96,16 @@ def _batches(steps: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randint(0, 3, (4 * world,), generator=generator)) for _ in range(steps)]
 
 
+def _train(model: nn.Module, rank: int, world: int, steps: int, device: torch.device) -> None:
+    """`steps` SGD steps of this rank's share of each batch."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _batches(steps, world):
+        mine = slice(4 * rank, 4 * (rank + 1))
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x[mine].to(device)), y[mine].to(device)).backward()
+        optimizer.step()
+
+
 def _train_ddp_on_gpu(rank: int, world: int, steps: int) -> list[torch.Tensor]:
     from shoal.parallel import DistributedDataParallel
 
@@ -104,12 +114,7 @@ def _train_ddp_on_gpu(rank: int, world: int, steps: int) -> list[torch.Tensor]:
     # find_unused_parameters: its flags go through the group too.
     model = DistributedDataParallel(_net().to(device), device_ids=[0], bucket_cap_mb=0.004,
                                     find_unused_parameters=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for x, y in _batches(steps, world):
-        mine = slice(4 * rank, 4 * (rank + 1))
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x[mine].to(device)), y[mine].to(device)).backward()
-        optimizer.step()
+    _train(model, rank, world, steps, device)
     return [p.detach().cpu() for p in model.module.parameters()]
 
 
@@ -164,12 +169,7 @@ def _torch_under_the_device_map(rank: int, world: int, port: int, steps: int) ->
                 fully_shard(layer)
         fully_shard(sharded)
         for model in (ddp, sharded):
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            for x, y in _batches(steps, world):
-                mine = slice(4 * rank, 4 * (rank + 1))
-                optimizer.zero_grad()
-                nn.functional.cross_entropy(model(x[mine].to(device)), y[mine].to(device)).backward()
-                optimizer.step()
+            _train(model, rank, world, steps, device)
         out["ddp"] = [p.detach().cpu() for p in ddp.module.parameters()]
         out["fsdp2"] = [p.full_tensor().detach().cpu() for p in sharded.parameters()]
     finally:
