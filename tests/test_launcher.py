@@ -111,41 +111,6 @@ def test_two_launchers_form_one_static_multi_node_job() -> None:
     assert "[rank2]: sum 10 of world 4" in outputs[1] and "[rank3]: sum 10 of world 4" in outputs[1]
 
 
-def test_a_launcher_killed_while_it_waits_for_the_job_to_form_is_left_out(tmp_path: Path) -> None:
-    """`--nnodes 3:5`: node a serves the store and waits; node b is SIGKILLed while it waits; nodes c
-    and d arrive, and the job forms with a, c and d (their workers' world is 3), not with b's slot."""
-    endpoint = f"127.0.0.1:{free_port()}"
-
-    def node(name: str) -> tuple[subprocess.Popen, Path]:
-        out = tmp_path / f"{name}.out"
-        command = [sys.executable, "-m", "shoal.run", "--nnodes", "3:5", "--nproc-per-node", "1",
-                   "--rdzv-endpoint", endpoint, "--rdzv-conf", "last_call_timeout=6",
-                   str(SCRIPTS / "all_reduce_sum.py")]
-        with out.open("w") as sink:
-            return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
-                                    env={k: v for k, v in os.environ.items() if k != "SHOAL_SECRET"}), out
-
-    nodes = []
-    try:
-        for name, slot in (("a", 0), ("b", 1)):
-            nodes.append(node(name))
-            wait_until(lambda slot=slot: f"node slot {slot} is waiting for 3 nodes" in nodes[-1][1].read_text(),
-                       f"node {name} waits in slot {slot}", timeout=60, interval=0.1)
-        killed = nodes.pop()[0]
-        killed.kill()  # a launcher's workers start once the job forms: b has none yet
-        killed.wait()
-        nodes += [node("c"), node("d")]
-        codes = [proc.wait(timeout=90) for proc, _ in nodes]
-    finally:
-        for proc, _ in nodes:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    outputs = [out.read_text() for _, out in nodes]
-    assert codes == [0, 0, 0], outputs
-    assert sum(out.count(": sum 6 of world 3") for out in outputs) == 3, outputs
-
-
 def test_the_store_outlives_rank_0_because_the_launcher_serves_it() -> None:
     # Were rank 0 serving it, the store would have gone with rank 0's process.
     result = _launch("--nproc-per-node", "2", "-m", "tests.scripts.regroup_after_rank0_leaves",

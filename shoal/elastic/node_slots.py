@@ -7,9 +7,8 @@ the job forms with the nodes present when MAX arrive or the last call ends, and 
 node ranks. A node arriving after that is late: under `--live` its workers join the running job; at
 most MAX nodes take part at once, so a late node waits while MAX are running.
 
-A node that gives up waiting (or is stopped) withdraws, so the job never forms with it; one killed while
-it waits stops counting its waits, and the others leave it out. Every node keeps a heartbeat in the
-store and marks its end there; a node rank whose launcher is gone may be
+A node that gives up waiting (or is stopped) withdraws, so the job never forms with it. Every node
+keeps a heartbeat in the store and marks its end there; a node rank whose launcher is gone may be
 taken again. The launcher that serves the store keeps serving until every other node has ended or
 fallen silent, so no worker loses the store while it still trains.
 """
@@ -29,10 +28,6 @@ from shoal.comm.store import Store
 _BEAT_S = 1.0  # how often a launcher proves it is alive
 _SILENT_S = 10.0  # a launcher silent this long is gone (killed, or its machine is)
 _POLL_S = 0.2
-# A launcher waiting for the job to form counts its polls (every _POLL_S): idle this long, it is gone. Long
-# beside a poll, so that a launcher slowed down on a loaded machine is not taken for a killed one.
-_WAITING_SILENT_S = 5.0
-_TELL_WAITING_S = 1.0  # others still waiting are seen counting by then: only then say this one waits
 
 
 @dataclass(frozen=True)
@@ -58,8 +53,6 @@ class NodeSlots:
         self.slot: int | None = None
         self._formed_slots: list[int] = list(range(min_nodes))  # the slots the job formed with
         self._last_beats: dict[str, tuple[int, float]] = {}  # launcher -> (beats seen, when they last changed)
-        # launcher -> (waits seen, when seen to change: None until they have been)
-        self._last_waits: dict[str, tuple[int, float | None]] = {}
         self._others: list[int] | None = None  # the other nodes running, as the heartbeat last saw them
         self._ended, self._watched = threading.Event(), threading.Event()
 
@@ -114,14 +107,13 @@ class NodeSlots:
 
     def _formed(self, join_timeout: timedelta, last_call: timedelta) -> list[int]:
         """The slots the job formed with, closing the rendezvous if nobody has yet."""
-        started = time.monotonic()
-        deadline = started + join_timeout.total_seconds()
+        deadline = time.monotonic() + join_timeout.total_seconds()
         told = False
         for _ in attempts(deadline, first=_POLL_S, limit=_POLL_S):
             self._check_stopping()
             if self._store.has("formed") or len(present := self._present()) >= self._min:
                 break
-            if not told and time.monotonic() - started > _TELL_WAITING_S:
+            if not told:
                 told = True
                 print(f"shoal run: node slot {self.slot} is waiting for {self._min} nodes to start the job",
                       file=sys.stderr, flush=True)
@@ -136,27 +128,9 @@ class NodeSlots:
         return self._store.compare_set("formed", self._present()[:self._max])
 
     def _present(self) -> list[int]:
-        """The slots taken by launchers still waiting for the job to form: less those that withdrew (gave
-        up waiting, or were stopped), and those whose count of waits has not moved for `_WAITING_SILENT_S`
-        (killed while they waited) or not yet (just seen: a live one counts every `_POLL_S`). Counts
-        this launcher's own wait."""
-        self._store.add(f"{self.me}/waits", 1)
-        now = time.monotonic()
-        present = []
-        for slot in range(self._registered(self._store)):
-            holder = self._store.get(f"slot/{slot}")
-            if self._store.has(f"{holder}/withdrawn"):
-                continue
-            if holder != self.me:
-                waits = self._store.add(f"{holder}/waits", 0)
-                seen, changed = self._last_waits.get(holder, (None, None))
-                if waits != seen:
-                    changed = None if seen is None else now
-                    self._last_waits[holder] = (waits, changed)
-                if changed is None or now - changed > _WAITING_SILENT_S:
-                    continue
-            present.append(slot)
-        return present
+        """The slots taken, less those whose launcher withdrew (gave up waiting, or was stopped)."""
+        return [slot for slot in range(self._registered(self._store))
+                if not self._store.has(f"{self._store.get(f'slot/{slot}')}/withdrawn")]
 
     def _check_stopping(self) -> None:
         if self._stopping.is_set():
