@@ -151,6 +151,16 @@ def test_every_replica_sees_the_buffers_as_they_were_before_the_step(monkeypatch
     assert model.module.steps.item() == 3  # the first replica's updates, the module's own
 
 
+def test_batch_norm_in_training_mode_runs_under_inference_mode() -> None:
+    torch.manual_seed(3)
+    net = nn.BatchNorm1d(4).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with torch.inference_mode():
+        out = DataParallel(net, replicas=2)(x)
+    torch.testing.assert_close(out, torch.cat([nn.functional.batch_norm(half, None, None, training=True)
+                                               for half in x.chunk(2)]))
+
+
 def test_a_failing_replica_raises_its_own_error() -> None:
     class Picky(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

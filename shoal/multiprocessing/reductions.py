@@ -58,7 +58,8 @@ def _descriptor_locked(storage: torch.UntypedStorage) -> int:
         return fd
     fd = os.memfd_create("shoal-tensor", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, storage.nbytes())  # fails where shared memory is short: the storage stays as it was
+        # Where memory is short, the mapping or the copy fails: the storage stays as it was.
+        os.ftruncate(fd, storage.nbytes())
         shared = _map(fd, storage.nbytes())
         shared.copy_(storage)
         # Swap the memory under the storage itself, not under one tensor, so that every view follows;

@@ -108,8 +108,12 @@ class _Step:
 
     def _replica_job(self, r: int, build_graph: bool) -> Callable[[], tuple]:
         # The other replicas' copies of the buffers are taken here, before any replica runs: the first one
-        # updates the module's own in place (BatchNorm's running statistics) while the others start.
-        copies = None if r == 0 or not self.owner.training else {b: b.clone() for b in self.owner.module.buffers()}
+        # updates the module's own in place (BatchNorm's running statistics) while the others start. Not as
+        # inference tensors (under the caller's inference_mode): the replicas' threads update them outside it.
+        copies = None
+        if r != 0 and self.owner.training:
+            with torch.inference_mode(False):
+                copies = {b: b.clone() for b in self.owner.module.buffers()}
 
         def job() -> tuple:
             inputs = {i: _leaf(p[r]) for i, p in self.pieces.items()}
