@@ -10,7 +10,11 @@
    restarted under `shoal run --max-restarts 1` (shoal DDP) and under torchrun (torch DDP, gloo), 2
    workers each. Reported: the share of trials that finish, and the median time from the worker's
    death to the first step completed after it (after the restart, or taken again live).
-3. A joiner catching up: live recovery with `--max-restarts 1` and min_workers 3, so the survivors
+3. Losing the node that serves the store (root: two hosts from network namespaces, tests/hosts.py):
+   `--nnodes 1:2` with 2 workers on each host; host 0's launcher, whose replica is the store's
+   primary, is SIGKILLed at a random step with its workers; reported: from the death to host 1's
+   workers committing the lost step, with host 1's replica as the primary.
+4. A joiner catching up: live recovery with `--max-restarts 1` and min_workers 3, so the survivors
    wait for the worker the launcher starts in the lost one's place. Reported: from the death to the
    new worker being ready to join (process start, imports, building the model and data), and from
    then to its first committed step (admission at a step boundary, the new group, the parameters
@@ -34,7 +38,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `tests` importable
+from tests.hosts import TwoHosts, namespaces_missing
+
 JOB = Path(__file__).resolve().parent / "recovery_job.py"
+_HOSTS_ENV = {"SHOAL_SECRET": "store-failover-benchmark", "SHOAL_SHM": "0"}  # the hosts share no memory
 
 
 def save_blocking(repeats: int = 3) -> dict[str, float]:
@@ -104,6 +112,43 @@ def trial(impl: str, timeout: float) -> float | None:
     return min(after) - death if after else None
 
 
+def store_failover_trial(timeout: float) -> float | None:
+    """Seconds from the loss of host 0 (its launcher, the store's primary, and its two workers) to host 1's
+    workers committing the step lost; None if host 1's job did not finish."""
+    kill_at = random.randint(1, 38)
+    hosts = TwoHosts.build()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            outs = [Path(tmp) / f"host{h}.out" for h in (0, 1)]
+            command = ["-m", "shoal.run", "--nnodes", "1:2", "--nproc-per-node", "2", "--live", "--rdzv-endpoint",
+                       f"{hosts.addresses[0]}:29500", str(JOB), "--impl", "live", "--kill-at", str(kill_at),
+                       "--kill-launcher", "--death-file", f"{tmp}/death"]
+            nodes = []
+            for host, out in enumerate(outs):
+                with out.open("w") as sink:
+                    nodes.append(hosts.start(host, command, _HOSTS_ENV, stderr=subprocess.STDOUT, stdout=sink))
+            try:
+                finished = nodes[1].wait(timeout=timeout) == 0
+            except subprocess.TimeoutExpired:
+                finished = False
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+                    node.wait()
+            if not finished:
+                print(f"store failover (kill at step {kill_at}): host 1's job did not finish; its output ends:\n"
+                      + "\n".join(outs[1].read_text().splitlines()[-15:]), file=sys.stderr)
+                return None
+            death = float(re.search(r"death (\d+\.\d{6})", (Path(tmp) / "death").read_text()).group(1))
+            after = [float(t) for t in re.findall(rf"step {kill_at + 1} (\d+\.\d{{6}})", outs[1].read_text())]
+            if not after:
+                print(f"store failover (kill at step {kill_at}): host 1 never committed step {kill_at + 1}",
+                      file=sys.stderr)
+            return min(after) - death if after else None
+    finally:
+        hosts.tear_down()
+
+
 def joiner_trial(timeout: float) -> tuple[float, float] | None:
     """Seconds from the death to the joiner being ready to join, and from then to its first committed
     step; None if the job did not finish."""
@@ -120,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=60, help="seconds after which a trial counts as failed")
-    parser.add_argument("--only", choices=["save", "live", "shoal", "torch", "rejoin"], help="run one part only")
+    parser.add_argument("--only", choices=["save", "live", "store-failover", "shoal", "torch", "rejoin"],
+                        help="run one part only")
     args = parser.parse_args(argv)
     if args.only in (None, "save"):
         print("| save of a 100 MB model | time |\n|---|---|")
@@ -137,6 +183,16 @@ def main(argv: list[str] | None = None) -> None:
         median = f"{statistics.median(ok):.2f} s" if ok else "-"
         print(f"| {label} | {len(ok)} of {len(results)} | {median} | {', '.join(f'{r:.2f}' for r in ok)} |",
               flush=True)
+    if args.only in (None, "store-failover"):
+        if (missing := namespaces_missing()) is not None:
+            print(f"\nstore failover: skipped ({missing})")
+        else:
+            results = [store_failover_trial(args.timeout) for _ in range(args.trials)]
+            ok = [r for r in results if r is not None]
+            median = f"{statistics.median(ok):.2f} s" if ok else "-"
+            print("\n| lost node | recovered | median death-to-first-step | all recoveries |\n|---|---|---|---|\n"
+                  f"| shoal run --live --nnodes 1:2, 2 hosts x 2 workers: host 0 (the store's primary) | "
+                  f"{len(ok)} of {len(results)} | {median} | {', '.join(f'{r:.2f}' for r in ok)} |", flush=True)
     if args.only in (None, "rejoin"):
         joins = [joiner_trial(args.timeout) for _ in range(args.trials)]
         ok = [j for j in joins if j is not None]

@@ -4,7 +4,8 @@ with `--impl live` (under `shoal run --live`), the job is not restarted: the sur
 worker the launcher starts in the lost one's place (`--max-restarts`) joins them.
 
 It checkpoints every `--every` steps, resumes from the newest checkpoint, and prints wall-clock
-times: `death T` just before rank 1 SIGKILLs itself at `--kill-at` in the first attempt, and
+times: `death T` just before rank 1 SIGKILLs itself at `--kill-at` in the first attempt (or, with
+`--kill-launcher`, rank 0 its launcher), and
 `step N T` after every step, so the driver can measure death-to-first-step; a joiner prints `ready T`
 once it has imported and built everything, just before it asks to join.
 """
@@ -34,6 +35,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--min-workers", type=int, default=1, help="--impl live: wait for joiners below this")
     parser.add_argument("--kill-at", type=int, default=25)
+    parser.add_argument("--kill-launcher", action="store_true",
+                        help="--impl live: rank 0 SIGKILLs its launcher instead (its node, and the store primary)")
+    parser.add_argument("--death-file", type=Path, help="write `death T` here (a killed launcher passes on no output)")
     args = parser.parse_args()
     if args.impl != "live" and args.dir is None:
         parser.error("--dir is needed to checkpoint and resume (all but --impl live)")
@@ -109,10 +113,15 @@ def live(args: argparse.Namespace) -> None:
     if not _first_attempt():
         print(f"ready {time.time():.6f}", flush=True)
     job = LiveTraining(net, optimizer, sampler, min_workers=args.min_workers)
+    victim = 0 if args.kill_launcher else 1
     for x, y in job.batches(torch.utils.data.DataLoader(data, batch_sampler=sampler)):
-        if job.steps == args.kill_at and rank == 1 and _first_attempt():
-            print(f"death {time.time():.6f}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if job.steps == args.kill_at and rank == victim and _first_attempt():
+            if args.death_file:
+                args.death_file.write_text(f"death {time.time():.6f}")
+            else:
+                print(f"death {time.time():.6f}", flush=True)
+            os.kill(os.getppid() if args.kill_launcher else os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # the kernel kills this worker with its launcher (shoal.orphans)
         committed = job.steps
         with job.step():
             nn.functional.cross_entropy(job.model(x), y).backward()

@@ -115,6 +115,10 @@ SHOAL_LIVE = Variable[bool]("SHOAL_LIVE", False, _switch, "1: the job runs with 
 SHOAL_MIN_WORKERS = Variable[int | None](
     "SHOAL_MIN_WORKERS", None, _count, "live recovery: fewer members than this wait for more",
     user=False)
+SHOAL_STORE_REPLICAS = Variable[list[str]](
+    "SHOAL_STORE_REPLICAS", [], lambda text: text.split(","),
+    "replicas of the job's store (host:port,...): the store at MASTER_ADDR:MASTER_PORT is replicated (--live)",
+    user=False)
 SHOAL_JOINING = Variable[bool](
     "SHOAL_JOINING", False, _switch, "1: this worker replaces a lost one and joins the running job", user=False)
 

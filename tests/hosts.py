@@ -75,10 +75,11 @@ class TwoHosts:
         for ns in self.namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
-    def start(self, host: int, argv: list[str], env: dict[str, str], stderr) -> subprocess.Popen:
-        """Run `python argv...` on `host`, its standard error to `stderr` (a file)."""
+    def start(self, host: int, argv: list[str], env: dict[str, str], stderr, stdout=subprocess.DEVNULL,
+              cwd: str | None = None) -> subprocess.Popen:
+        """Run `python argv...` on `host`, its standard error to `stderr` (a file), in `cwd`."""
         return subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], sys.executable, *argv],
-                                env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=stderr)
+                                env={**os.environ, **env}, stdout=stdout, stderr=stderr, cwd=cwd)
 
     def link(self, state: str) -> None:
         """Take host 0's end of the cable "down" or bring it "up"."""

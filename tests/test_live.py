@@ -22,6 +22,7 @@ from shoal.comm.store import Store
 from shoal.data import ElasticSampler
 from shoal.elastic.live import LiveTraining
 from shoal.ports import free_port
+from tests.live_reports import assert_alike, states
 from tests.ranks import run_ranks
 from tests.waiting import wait_until
 
@@ -106,27 +107,6 @@ def _launch_live(*args: str, restarts: int) -> subprocess.CompletedProcess:
                           cwd=ROOT)  # where -m finds tests.scripts
 
 
-def _states(stdout: str) -> tuple[dict[str, list[tuple[str, str]]], dict[str, str]]:
-    """From live_train.py's output: per generation, (rank, "size step digest") as each member reported
-    it on entering; and per rank, its final line."""
-    lines = [line.split(": ", 1) for line in stdout.splitlines() if ": " in line]
-    reports: dict[str, list[tuple[str, str]]] = {}
-    for who, text in lines:
-        if text.startswith("generation "):
-            generation, size, step, state = text.split()[1::2]
-            reports.setdefault(generation, []).append((who, f"{size} {step} {state}"))
-    return reports, {who: text for who, text in lines if text.startswith("samples ")}
-
-
-def _assert_alike(reports: dict[str, list[tuple[str, str]]], finals: dict[str, str]) -> None:
-    """After each change of membership, every member holds the same parameters, optimizer state and
-    schedule at the same step, and all finish with the same."""
-    for entries in reports.values():
-        assert len(entries) == int(entries[0][1].split()[0]), entries  # every member reported
-        assert len({state for _, state in entries}) == 1, entries
-    assert len({text.split(" generation ")[1] for text in finals.values()}) == 1, finals
-
-
 def test_under_the_launcher_the_others_go_on_and_the_job_succeeds() -> None:
     """The worker started in the lost one's place nearly always arrives after the others finished (three
     steps after the kill; importing torch takes far longer): it ends with status 0. If it arrives in
@@ -134,8 +114,8 @@ def test_under_the_launcher_the_others_go_on_and_the_job_succeeds() -> None:
     result = _launch_live("--kill", "1:8", restarts=1)
     assert result.returncode == 0, result.stderr
     assert "rank 1 was lost (signal 9); the others go on without it (--live)" in result.stderr
-    reports, finals = _states(result.stdout)
-    _assert_alike(reports, finals)
+    reports, finals = states(result.stdout)
+    assert_alike(reports, finals)
     assert finals["[rank0]"].startswith("samples 61 missing 0 twice 0 generation ")
     if "[rank1]: shoal: the others finished the job before this worker could join it" in result.stdout:
         assert sorted(finals) == ["[rank0]", "[rank2]"]
@@ -148,8 +128,8 @@ def test_a_lost_worker_started_again_joins_between_steps_with_the_others_state()
     result = _launch_live("--kill", "1:4", "--epochs", "3", "--await-joiner", restarts=1)
     assert result.returncode == 0, result.stderr
     assert "starting a new rank 1 to join them (restart 1 of 1)" in result.stderr
-    reports, finals = _states(result.stdout)
-    _assert_alike(reports, finals)
+    reports, finals = states(result.stdout)
+    assert_alike(reports, finals)
     assert sorted(entries[0][1].split()[:2] for entries in reports.values()) == [["2", "4"], ["3", "0"], ["3", "5"]]
     assert sorted(finals) == ["[rank0]", "[rank1]", "[rank2]"]
     assert finals["[rank0]"].startswith("samples 183 missing 0 twice 0 ")  # rank 0 was there from the start
@@ -165,8 +145,8 @@ def test_with_min_workers_the_survivors_wait_for_each_lost_worker_started_again(
         assert f"starting a new rank {rank} to join them (restart {restart} of 2)" in result.stderr
     assert "rank 0 was lost" not in result.stderr and "starting a new rank 0" not in result.stderr
     assert "fewer than min_workers=3; waiting up to 60s for workers to join" in result.stdout
-    reports, finals = _states(result.stdout)
-    _assert_alike(reports, finals)
+    reports, finals = states(result.stdout)
+    assert_alike(reports, finals)
     assert sorted(entries[0][1].split()[:2] for entries in reports.values()) == [["3", "0"], ["3", "30"], ["3", "4"]]
     assert sorted(finals) == ["[rank0]", "[rank1]", "[rank2]"]
     assert finals["[rank0]"].startswith("samples 244 missing 0 twice 0 ")
@@ -190,7 +170,7 @@ def test_the_loop_from_the_docs_counts_committed_steps_only_under_kills_at_rando
             epoch, *indices = map(int, text.split()[1:])
             trained.update((epoch, i) for i in indices)
     assert trained == {(epoch, i): 1 for epoch in range(3) for i in range(SAMPLES)}, f"kills {kills}"
-    _, finals = _states(result.stdout)
+    _, finals = states(result.stdout)
     assert finals, result.stdout
     for text in finals.values():
         fields = text.split()
@@ -257,8 +237,10 @@ def test_a_node_that_arrives_later_joins_the_job_and_a_lost_node_is_dropped(tmp_
                 proc.wait()
     outputs = [out.read_text() for _, out in nodes]
     assert codes == [0, 0, -signal.SIGKILL], outputs
-    reports, finals = _states("\n".join(outputs))
-    _assert_alike(reports, finals)
+    # Every node keeps a replica of the store, so none waits for the killed node to fall silent to end.
+    assert not any("serves the job's store until" in text for text in outputs), outputs
+    reports, finals = states("\n".join(outputs))
+    assert_alike(reports, finals)
     assert sorted(entries[0][1].split()[:2] for entries in reports.values()) == [["2", "0"], ["2", "10"], ["3", "1"]]
     assert sorted(finals) == ["[rank0]", "[rank1]"]
     assert all(text.startswith("samples 122 missing 0 twice 0 ") for text in finals.values()), finals

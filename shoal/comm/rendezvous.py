@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 import torch.distributed as tdist
 
 from shoal import config
+from shoal.comm.replicated_store import ReplicatedStore
 from shoal.comm.store import DEFAULT_TIMEOUT, Store
 from shoal.comm.transport.auth import is_loopback
 
@@ -157,7 +158,7 @@ def store_host(store: tdist.Store) -> str:
     reach (loopback for a store in files or in memory)."""
     while isinstance(store, tdist.PrefixStore):
         store = store.underlying_store
-    return store.host if isinstance(store, tdist.TCPStore) else "127.0.0.1"
+    return store.host if isinstance(store, (tdist.TCPStore, ReplicatedStore)) else "127.0.0.1"
 
 
 def local_address_towards(host: str) -> str:

@@ -11,7 +11,9 @@ from typing import Any
 
 import torch.distributed as tdist
 
+from shoal import config
 from shoal.backoff import attempts
+from shoal.comm.replicated_store import ReplicatedStore
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
@@ -45,7 +47,11 @@ class Store:
         stop: threading.Event | None = None,
     ) -> Store:
         """Start the store server (the launcher, or rank 0 without one) or connect to it, failing clearly
-        within `timeout`; a client waiting for the server gives up (InterruptedError) once `stop` is set."""
+        within `timeout`; a client waiting for the server gives up (InterruptedError) once `stop` is set.
+        The launcher's store under `shoal run --live` is replicated: its clients follow its primary."""
+        replicas = config.SHOAL_STORE_REPLICAS.get()
+        if replicas and not is_server and (host, port) == (config.MASTER_ADDR.get(), config.MASTER_PORT.get()):
+            return cls(ReplicatedStore([*replicas, f"{host}:{port}"], timeout=timeout, stop=stop), prefix)
         if is_server:
             try:
                 tcp = tdist.TCPStore(host, port, world_size, True, timeout=timeout,

@@ -9,7 +9,9 @@ Its flags and configuration are launch_config.py's; a worker process and its ran
 The launcher of node 0 serves the job's rendezvous store, so the store outlives any worker; it tells
 the workers so with TORCHELASTIC_USE_AGENT_STORE=True, as torchrun does (torch.distributed's own
 env:// rendezvous then joins it too). With `--nnodes MIN:MAX`, the first launcher on the endpoint's
-machine serves it, and the nodes agree on their ranks in it (node_slots.py).
+machine serves it, and the nodes agree on their ranks in it (node_slots.py). Under `--live` every
+launcher keeps a replica of the store instead (shoal.comm.replicated_store), the first on the
+endpoint's machine its primary, so the job outlives any node.
 
 When a worker fails, the others are stopped and the failure is reported (rank, exit code, the tail
 of its output); with `--max-restarts K` all workers are restarted instead, up to K times, each
@@ -17,12 +19,13 @@ attempt with a fresh store (on a fresh port unless one was given) so that no att
 another one left behind. With `--live`, a worker killed by a signal is lost
 instead: the others go on without it (shoal.elastic.live), and with `--max-restarts K` the launcher
 starts a new worker in its place, up to K times in the job, which joins them; a node that arrives
-after the job formed has its workers join it. With several nodes, the launcher serving the store
-keeps it up until every node's workers have ended.
+after the job formed has its workers join it. With several nodes and without `--live`, the launcher
+serving the store keeps it up until every node's workers have ended.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import signal
@@ -32,6 +35,8 @@ import sys
 import threading
 import time
 
+from shoal.comm.rendezvous import local_address_towards
+from shoal.comm.replicated_store import ReplicatedStore, StoreReplica
 from shoal.comm.store import Store
 from shoal.config import SHOAL_SECRET
 from shoal.elastic.flight_records import collect_flight_records
@@ -66,6 +71,7 @@ class Launcher:
         self._stopping = threading.Event()
         # Reentrant: the signal handler notifies it from the main thread, which may hold it already.
         self._changed = threading.Condition(threading.RLock())
+        self._replica: StoreReplica | None = None  # this node's replica of the job's store (--live)
 
     def run(self) -> int:
         """Run the job to the end; returns the exit code for the launcher's own process."""
@@ -99,7 +105,18 @@ class Launcher:
     def _attempt(self, attempt: int) -> tuple[Worker, int] | None:
         cfg = self.config
         port = cfg.master_port if cfg.master_port is not None else free_port(cfg.master_addr)
-        store, serving = self._open_store(port)  # held for the attempt: dropped (and so closed) when it ends
+        self._replica = self._start_replica(port) if cfg.live else None
+        try:
+            return self._attempt_on(port, attempt)
+        finally:
+            if self._replica is not None:
+                self._replica.close()
+
+    def _attempt_on(self, port: int, attempt: int) -> tuple[Worker, int] | None:
+        cfg = self.config
+        # Held for the attempt: dropped (and so closed) when it ends. A replicated store needs nobody to
+        # serve it longer than its own node runs: another replica takes over.
+        store, serving = (self._connect(port), False) if self._replica else self._open_store(port)
         nodes, place = None, NodePlace(cfg.node_rank, cfg.nnodes * cfg.nproc_per_node, late=False)
         if cfg.max_nodes > 1:
             nodes = NodeSlots(store.scoped(f"shoal-run/{cfg.run_id}/nodes/"), member_id(),
@@ -115,6 +132,9 @@ class Launcher:
                     TORCHELASTIC_RUN_ID=cfg.run_id, SHOAL_LIVE="1" if cfg.live else "0")
         if self.secret:
             base["SHOAL_SECRET"] = self.secret
+        base.pop("SHOAL_STORE_REPLICAS", None)  # an outer --live job's, were this launcher started by its worker
+        if self._replica is not None:
+            base["SHOAL_STORE_REPLICAS"] = self._replica.address
         if sys.stdout.isatty():
             base["SHOAL_TTY"] = "1"  # its output reaches a terminal through us: progress may redraw itself
         if cfg.trace is not None:
@@ -151,10 +171,36 @@ class Launcher:
                     raise  # the port is someone else's
         return self._connect(port), False
 
+    def _start_replica(self, port: int) -> StoreReplica:
+        """This node's replica of the job's store (--live): the primary if this launcher is the first on the
+        endpoint's machine, else a follower, on the endpoint's port of this node's address where that is free,
+        so that a node arriving after the endpoint's node is lost may name any running node's address."""
+        cfg = self.config
+        endpoint = f"{cfg.master_addr}:{port}"
+        if _is_this_machine(cfg.master_addr):
+            try:
+                return StoreReplica(cfg.master_addr, port)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                if cfg.max_nodes == 1:
+                    raise OSError(f"rendezvous port {endpoint} is already in use; pick another or stop the "
+                                  f"process holding it") from None
+        address, join = local_address_towards(cfg.master_addr), cfg.join_timeout.total_seconds()
+        try:
+            return StoreReplica(address, port, follow=endpoint, join_timeout=join, stop=self._stopping)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+        return StoreReplica(address, 0, follow=endpoint, join_timeout=join, stop=self._stopping)
+
     def _connect(self, port: int) -> Store:
         """A client of the job's store, once it is up (another node's launcher may start later, so
         within the join timeout); the wait ends early if the launcher is told to stop."""
         cfg = self.config
+        if self._replica is not None:
+            return Store(ReplicatedStore([self._replica.address, f"{cfg.master_addr}:{port}"],
+                                         timeout=cfg.join_timeout, stop=self._stopping))
         return Store.connect(cfg.master_addr, port, world_size=cfg.nnodes * cfg.nproc_per_node, is_server=False,
                              timeout=cfg.join_timeout, stop=self._stopping)
 
