@@ -300,3 +300,29 @@ def test_torch_style_device_arguments_are_accepted_for_cpu_and_checked() -> None
         assert "['cpu']" in refusal
         for name, grad in grads.items():
             torch.testing.assert_close(grad, want[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def _released(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A backward after `release` keeps this rank's own gradient; a second DDP over the module averages."""
+    from shoal.parallel import DistributedDataParallel
+
+    net = _model("mlp")
+    first = DistributedDataParallel(net)
+    first.release()
+    x, y = _batch("mlp", rank, 0)
+    nn.functional.cross_entropy(first(x), y).backward()
+    own = net[0].weight.grad.clone()
+    net.zero_grad()
+    nn.functional.cross_entropy(DistributedDataParallel(net)(x), y).backward()
+    return own, net[0].weight.grad.clone()
+
+
+def test_a_released_ddp_averages_no_more_and_another_may_wrap_its_module() -> None:
+    out = run_ranks(_released, 2)
+    for rank in range(2):
+        net = _model("mlp")
+        x, y = _batch("mlp", rank, 0)
+        nn.functional.cross_entropy(net(x), y).backward()
+        torch.testing.assert_close(out[rank][0], net[0].weight.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[0][1], (out[0][0] + out[1][0]) / 2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=0, atol=0)

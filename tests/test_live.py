@@ -177,6 +177,25 @@ def test_the_loop_from_the_docs_counts_committed_steps_only_under_kills_at_rando
         assert fields[fields.index("scheduler") + 1] == fields[fields.index("steps") + 1], f"kills {kills}: {text}"
 
 
+def test_a_worker_that_missed_a_training_joins_the_next_one_in_the_same_script(tmp_path: Path) -> None:
+    """tests/scripts/live_two_trainings.py: the worker started in place of one lost in the first of two
+    trainings arrives after the others closed it; it passes through that one, and the second (which
+    begins with the first one's last members) admits it, every sample of it trained once."""
+    result = subprocess.run([sys.executable, "-m", "shoal.run", "--live", "--max-restarts", "1", "--nproc-per-node",
+                             "3", "-m", "tests.scripts.live_two_trainings", "--closed", str(tmp_path / "closed")],
+                            capture_output=True, text=True, timeout=180, env=dict(os.environ, **QUIET),
+                            cwd=ROOT)  # where -m finds tests.scripts
+    assert result.returncode == 0, result.stderr
+    assert "[rank2]: training 0 missed" in result.stdout
+    lines = [line.split(": ", 1) for line in result.stdout.splitlines() if ": training " in line]
+    firsts = {who: text.split(" steps ")[0] for who, text in lines if text.startswith("training 0 samples")}
+    assert firsts == {f"[rank{r}]": "training 0 samples 61 twice 0 generation 1 of 2" for r in (0, 1)}
+    seconds = {who: text for who, text in lines if text.startswith("training 1 samples")}
+    assert sorted(seconds) == ["[rank0]", "[rank1]", "[rank2]"]
+    assert len(set(seconds.values())) == 1, seconds
+    assert seconds["[rank0]"].startswith("training 1 samples 122 twice 0 generation 1 of 3 "), seconds
+
+
 def test_live_training_refuses_to_start_where_a_loss_would_stop_everyone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("SHOAL_LIVE", "0")  # `shoal run` without --live

@@ -128,7 +128,7 @@ def test_a_worker_started_in_place_of_a_lost_one_joins_the_next_generation_after
 
 def test_a_worker_waiting_to_join_a_job_that_finished_ends_with_status_0() -> None:
     store = Store(tdist.HashStore())
-    Membership(store, "worker0", host="127.0.0.1", timeout=timedelta(seconds=10)).finish()
+    Membership(store, "worker0", host="127.0.0.1", timeout=timedelta(seconds=10)).finish(Generation(0, ("worker0",)))
     late = Membership(store, "late", host="127.0.0.1", timeout=timedelta(seconds=10))
     with pytest.raises(JobFinished) as finished:
         late.join()
@@ -136,7 +136,7 @@ def test_a_worker_waiting_to_join_a_job_that_finished_ends_with_status_0() -> No
 
 
 def test_a_joiner_that_gives_up_waiting_withdraws_and_is_not_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(membership_module, "_JOIN_WAIT", timedelta(0))
+    monkeypatch.setattr(membership_module, "JOIN_WAIT", timedelta(0))
     store = Store(tdist.HashStore())
     member = Membership(store, "worker0", host="127.0.0.1", timeout=timedelta(seconds=10))
     first = member.first(0, 1)
@@ -145,6 +145,33 @@ def test_a_joiner_that_gives_up_waiting_withdraws_and_is_not_admitted(monkeypatc
         impatient.join()
     assert member.joiners_waiting(first)  # its slot stays taken, so the members still look at it
     assert member.next(first, _Judging(set())) == Generation(1, ("worker0",), joined=1)
+
+
+def test_a_joiner_killed_while_it_waits_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(membership_module, "_JOINER_SILENT_S", 0.5)
+    store = Store(tdist.HashStore())
+    member = Membership(store, "worker0", host="127.0.0.1", timeout=timedelta(seconds=10))
+    first = member.first(0, 1)
+    store.compare_set("joins/1", "killed")  # it took a join slot, beat once, and was killed
+    store.add("joins/1/beats", 1)
+    assert member.joiners_waiting(first)
+    assert member.next(first, _Judging(set())) == Generation(1, ("worker0",), joined=1)
+    assert store.get("joins/1/generation") == membership_module._PASSED_OVER
+
+
+def test_a_joiner_passed_over_while_it_still_waits_asks_again_and_is_admitted() -> None:
+    store = Store(tdist.HashStore())
+    member, joiner = (Membership(store, name, host="127.0.0.1", timeout=timedelta(seconds=10))
+                      for name in ("worker0", "slow"))
+    first = member.first(0, 1)
+    with ThreadPoolExecutor(1) as pool:
+        admitted = pool.submit(joiner.join)
+        wait_until(lambda: store.has("joins/1"), "the joiner asks to join", timeout=10, interval=0.001)
+        store.compare_set("joins/1/generation", membership_module._PASSED_OVER)  # the members thought it silent
+        wait_until(lambda: store.has("joins/2"), "the joiner asks again", timeout=10, interval=0.001)
+        second = member.next(first, _Judging(set()))
+        assert second == Generation(1, ("worker0", "slow"), joined=2)
+        assert admitted.result(timeout=10) == second
 
 
 def _lose_the_last_rank(rank: int, world: int) -> frozenset[int]:

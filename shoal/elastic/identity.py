@@ -7,7 +7,13 @@ import os
 import secrets
 import socket
 
+_ids: dict[int, str] = {}  # by PID: a forked child is a process of its own
+
 
 def member_id() -> str:
-    """This process's id, unique in the job even across containers (which may share host names and PIDs)."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    """This process's id, unique in the job even across containers (which may share host names and PIDs),
+    and the same for all of its parts (its trainings, one after another)."""
+    pid = os.getpid()
+    if pid not in _ids:
+        _ids[pid] = f"{socket.gethostname()}:{pid}:{secrets.token_hex(4)}"
+    return _ids[pid]

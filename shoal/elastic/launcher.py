@@ -120,12 +120,11 @@ class Launcher:
         nodes, place = None, NodePlace(cfg.node_rank, cfg.nnodes * cfg.nproc_per_node, late=False)
         if cfg.max_nodes > 1:
             nodes = NodeSlots(store.scoped(f"shoal-run/{cfg.run_id}/nodes/"), member_id(),
-                          nproc_per_node=cfg.nproc_per_node, min_nodes=cfg.nnodes, max_nodes=cfg.max_nodes,
-                          stopping=self._stopping)
+                              nproc_per_node=cfg.nproc_per_node, min_nodes=cfg.nnodes, max_nodes=cfg.max_nodes,
+                              stopping=self._stopping)
+            nodes.keep_alive(self._connect(port).scoped(f"shoal-run/{cfg.run_id}/nodes/"), watch=serving)
             place = nodes.place(cfg.node_rank if cfg.fixed_nodes else None, join_timeout=cfg.join_timeout,
-                                    last_call=cfg.last_call, take_late=cfg.live)
-            nodes.keep_alive(self._connect(port).scoped(f"shoal-run/{cfg.run_id}/nodes/"),
-                             watch=serving)
+                                last_call=cfg.last_call, take_late=cfg.live)
         base = dict(os.environ, MASTER_ADDR=cfg.master_addr, MASTER_PORT=str(port),
                     WORLD_SIZE=str(place.world_size), LOCAL_WORLD_SIZE=str(cfg.nproc_per_node),
                     SHOAL_RESTART_COUNT=str(attempt), TORCHELASTIC_USE_AGENT_STORE="True",

@@ -18,10 +18,16 @@ after the next step that commits, in a new generation. Whenever the generation c
 takes rank 0's parameters, buffers, optimizer state, data position and step count over the transport
 (handover.py), so all hold the same state. What a discarded step's forward changed besides the
 gradients (BatchNorm's running statistics, the random number generators) is not rolled back.
+
+A script may train several times in turn (a LiveTraining each, closed before the next): each later
+training begins with the last members of the one before, and a worker that missed one (it arrived
+after the members closed it) passes through it and joins the next.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import sys
 import time
@@ -40,7 +46,7 @@ from shoal.data.elastic import ElasticSampler
 from shoal.elastic.decisions import DISCARD, GROW, StepDecisions
 from shoal.elastic.handover import share_state
 from shoal.elastic.identity import member_id
-from shoal.elastic.membership import JobFinished, Membership
+from shoal.elastic.membership import JOIN_WAIT, Generation, JobFinished, Membership
 from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.observe import events, timeline
 from shoal.parallel import DistributedDataParallel
@@ -84,7 +90,9 @@ class LiveTraining:
         host = config.MASTER_ADDR.get()
         store = Store.connect(host, config.MASTER_PORT.get(), world_size=launched, is_server=False, timeout=timeout)
         # Every rank counts its trainings alike, so a second one in the job never reads the first one's keys.
-        self._store = store.scoped(f"live/{next(_trainings)}/")
+        index, self._job = next(_trainings), store.scoped("live/")
+        self._store = self._job.scoped(f"{index}/")
+        self._store.set("begun", 1)  # a joiner that missed the training before goes on to this one
         self.membership = Membership(self._store.scoped("generations/"), member_id(), host=host, timeout=timeout)
         self.optimizer, self.sampler, self._extra = optimizer, sampler, dict(extra or {})
         self.min_workers, self._timeout = min_workers, timeout
@@ -96,22 +104,51 @@ class LiveTraining:
         self._looked_for_joiners = time.monotonic()
         self._module, self._ddp_options = module, ddp_options
         self.model: DistributedDataParallel | None = None
-        # A worker of a node that arrived after the job formed joins it; so does one whose launch rank is
-        # taken (its launcher started it in place of a lost one).
-        first = None if config.SHOAL_JOINING.get() else self.membership.first(config.RANK.get(), launched)
+        self.missed = False
+        """The members finished this training before this worker could join it, and began a later one
+        (which it joins): this one's loops yield nothing, and `model`, `group` and `generation` are None."""
+        first = self._first_generation(index, launched, host)
         self._holds_state = first is not None  # a joiner holds the training state once rank 0 has shared it
         try:
             self.generation = first if first is not None else self.membership.join()
         except JobFinished:
-            print("shoal: the others finished the job before this worker could join it", file=sys.stderr, flush=True)
-            raise
+            self._miss(index)
+            return
+        _mark_exit(self._job, self.membership.me)
         self.group = self.membership.group(self.generation)
         self._regroup(None, advance=False)
+
+    def _first_generation(self, index: int, launched: int, host: str) -> Generation | None:
+        """Generation 0 of this training, if this worker is in it (else it must join): in the job's first
+        training, the workers launched, by launch rank (a worker whose rank is taken was started in place
+        of a lost one, and a late node's workers join); in a later one, the last members of the one before
+        (a late node's workers among them, once admitted)."""
+        if index == 0:
+            return None if config.SHOAL_JOINING.get() else self.membership.first(config.RANK.get(), launched)
+        before = Membership(self._job.scoped(f"{index - 1}/generations/"), self.membership.me, host=host,
+                            timeout=self._timeout).last_members()
+        return Generation(0, before) if self.membership.me in before else None
+
+    def _miss(self, index: int) -> None:
+        """The members finished this training before this worker could join it: go on to the next one
+        once they have begun it, or end (JobFinished) once they have all exited."""
+        self.missed, self.generation, self.group = True, None, None
+        members = self.membership.last_members()
+        patience = max(self._timeout, JOIN_WAIT).total_seconds()
+        for _ in attempts(time.monotonic() + patience, first=0.005, limit=0.1, factor=1.5):
+            if self._job.has(f"{index + 1}/begun"):
+                return
+            if all(self._job.has(f"exited/{member}") for member in members):
+                print("shoal: the others finished the job before this worker could join it", file=sys.stderr,
+                      flush=True)
+                raise JobFinished
+        raise TimeoutError(f"{self.membership.me}: the members finished training {index} before this worker "
+                           f"joined, and they neither began another nor exited within {patience:g}s")
 
     def epochs(self, count: int) -> Iterator[int]:
         """The epochs of 0..count-1 still to train, each begun on the sampler (`set_epoch`), except the
         one in progress: a joiner goes on with the others' epoch where they are."""
-        for epoch in range(self.sampler.epoch, count):
+        for epoch in range(self.sampler.epoch, 0 if self.missed else count):
             if epoch != self.sampler.epoch:
                 self.sampler.set_epoch(epoch)
             yield epoch
@@ -121,7 +158,7 @@ class LiveTraining:
         committed offset on, with the new members' shares. (A plain loop over the loader would end
         at the first change of generation.) Joiners are admitted here, after the script's code that
         follows a committed step (a scheduler's step) has run, so they receive the state it left."""
-        while True:
+        while not self.missed:
             self._regrouped = False
             for batch in loader:
                 yield batch
@@ -136,6 +173,9 @@ class LiveTraining:
     def step(self) -> Iterator[Step]:
         """Around forward and backward: then the step is applied on every member or discarded on all
         (`step.committed` says which)."""
+        if self.missed:
+            raise RuntimeError("the members finished this training before this worker could join it "
+                               "(live.missed): it has no steps to take")
         step = Step()
         try:
             yield step
@@ -243,6 +283,25 @@ class LiveTraining:
                 "extra": {name: obj.state_dict() for name, obj in self._extra.items()}}
 
     def close(self) -> None:
-        """Training is over: workers still waiting to join end (JobFinished)."""
-        self.membership.finish()
-        self.group.shutdown()
+        """Training is over: `model` averages gradients no more, and workers still waiting to join go
+        on to the next training, or end (JobFinished) when the members exit."""
+        if not self.missed:
+            self.membership.finish(self.generation)
+            self.model.release()  # a later training may wrap the same module
+            self.group.shutdown()
+
+
+_exits_marked: set[str] = set()  # the members in this process whose exit will be marked
+
+
+def _mark_exit(job: Store, member: str) -> None:
+    """Once per process: mark its exit in the job's store, so that a joiner that missed the last training
+    ends rather than waiting for another."""
+    if member not in _exits_marked:
+        _exits_marked.add(member)
+        atexit.register(_exited, job, member)
+
+
+def _exited(job: Store, member: str) -> None:
+    with contextlib.suppress(Exception):  # the store is gone: nobody is left to tell
+        job.set(f"exited/{member}", 1)

@@ -10,8 +10,9 @@ proposes those registered, followed by the joiners waiting.
 The first proposal stored wins (compare-and-set), so no two members ever see different members for one
 generation, whatever the partition, and a member left out learns so (EvictedError).
 
-A worker joins by taking the next numbered join slot; members look for one at step boundaries
-(`joiners_waiting`), and tell each joiner which generation admitted it.
+A worker joins by taking the next numbered join slot, and beats there while it waits; members look for
+one at step boundaries (`joiners_waiting`), admit only joiners they see beating (one killed while it
+waited is passed over, and one merely slow asks again), and tell each joiner which generation admitted it.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from shoal.comm.backends.group import ProcessGroup
 from shoal.comm.backends.registry import check_backend, world_group
 from shoal.comm.store import Store
 
-_JOIN_WAIT = timedelta(minutes=10)  # how long a joiner waits to be admitted: between steps may be long (evaluation)
-_WITHDRAWN = "withdrawn"
+JOIN_WAIT = timedelta(minutes=10)  # how long a joiner waits to be admitted: between steps may be long (evaluation)
+_JOINER_SILENT_S = 5.0  # a joiner that has not beaten for this long is passed over (it beats every 0.1 s)
+_WITHDRAWN = "withdrawn"  # the joiner gave up waiting
+_PASSED_OVER = "passed over"  # the members saw it silent: if it still lives, it asks again
 
 
 class EvictedError(RuntimeError):
@@ -81,28 +84,38 @@ class Membership:
 
     def join(self) -> Generation:
         """Ask to join, and wait until a generation admits this worker (the members look at their next
-        step boundary); JobFinished if the job ends first. After `_JOIN_WAIT` (or the timeout, if
+        step boundary); JobFinished if the job ends first. After `JOIN_WAIT` (or the timeout, if
         longer) the request is withdrawn and TimeoutError raised."""
-        slot = next(k for k in itertools.count(1) if self._store.compare_set(f"joins/{k}", self.me) == self.me)
-        patience = max(self._timeout, _JOIN_WAIT).total_seconds()
-        for _ in attempts(time.monotonic() + patience, first=0.005, limit=0.1, factor=1.5):
-            if self._store.has(f"joins/{slot}/generation"):
+        patience = max(self._timeout, JOIN_WAIT).total_seconds()
+        deadline, slot = time.monotonic() + patience, 0
+        while time.monotonic() < deadline:
+            slot = next(k for k in itertools.count(slot + 1)
+                        if self._store.compare_set(f"joins/{k}", self.me) == self.me)
+            for _ in attempts(deadline, first=0.005, limit=0.1, factor=1.5):
+                self._store.add(f"joins/{slot}/beats", 1)
+                if self._store.has(f"joins/{slot}/generation"):
+                    break
+                if self._store.has("finished"):
+                    raise JobFinished
+            outcome = self._store.compare_set(f"joins/{slot}/generation", _WITHDRAWN)
+            if outcome not in (_WITHDRAWN, _PASSED_OVER):
+                return self._agreed(int(outcome))
+            if outcome == _WITHDRAWN:
                 break
-            if self._store.has("finished"):
-                raise JobFinished
-        number = self._store.compare_set(f"joins/{slot}/generation", _WITHDRAWN)
-        if number == _WITHDRAWN:
-            raise TimeoutError(f"{self.me}: no generation admitted this worker within {patience:g}s (the members "
-                               f"admit joiners between steps); its request is withdrawn")
-        return self._agreed(int(number))
+        raise TimeoutError(f"{self.me}: no generation admitted this worker within {patience:g}s (the members "
+                           f"admit joiners between steps); its request is withdrawn")
 
     def joiners_waiting(self, generation: Generation) -> bool:
         """Whether a worker has asked to join since `generation` was agreed."""
         return self._store.has(f"joins/{generation.joined + 1}")
 
-    def finish(self) -> None:
-        """The job is over: workers still waiting to join learn so (JobFinished)."""
-        self._store.set("finished", 1)
+    def finish(self, last: Generation) -> None:
+        """The generations end with `last`: workers still waiting to join learn so (JobFinished)."""
+        self._store.compare_set("finished", list(last.members))
+
+    def last_members(self) -> tuple[str, ...]:
+        """The members of the last generation, once `finish` has been called (waits up to the timeout)."""
+        return tuple(self._store.get("finished", timeout=self._timeout))
 
     def group(self, generation: Generation) -> ProcessGroup:
         """The world group of `generation`, connected anew (its store keys are the generation's own)."""
@@ -127,19 +140,32 @@ class Membership:
             raise TimeoutError(f"generation {number}: members {undecided} neither joined it nor were found lost "
                                f"within {self._timeout.total_seconds():g}s")
         slots = list(itertools.takewhile(lambda k: self._store.has(f"joins/{k}"), itertools.count(current.joined + 1)))
-        joiners = [self._store.get(f"joins/{k}", timeout=self._timeout) for k in slots
-                   if not self._store.has(f"joins/{k}/generation")]  # withdrawn: it gave up waiting
+        joiners = [self._store.get(f"joins/{k}", timeout=self._timeout) for k in self._beating(slots)]
         survivors = [m for m in current.members if m in registered]
         self._store.compare_set(f"{number}/members", {"members": survivors + joiners,
                                                      "joined": current.joined + len(slots)})
         generation = self._agreed(number)
         for slot in range(current.joined + 1, generation.joined + 1):
-            self._store.compare_set(f"joins/{slot}/generation", number)
+            admitted = self._store.get(f"joins/{slot}") in generation.members
+            self._store.compare_set(f"joins/{slot}/generation", number if admitted else _PASSED_OVER)
         group.shutdown()
         if self.me not in generation.members:
             raise EvictedError(f"{self.me}: generation {number} was agreed without this worker "
                                f"(members {list(generation.members)})")
         return generation
+
+    def _beating(self, slots: list[int]) -> list[int]:
+        """Of the join `slots`, those whose joiner still waits: not withdrawn, and beating (seen within
+        `_JOINER_SILENT_S`); a joiner killed while it waited never beats again."""
+        waiting = {k: self._store.add(f"joins/{k}/beats", 0) for k in slots
+                   if not self._store.has(f"joins/{k}/generation")}
+        beating: set[int] = set()
+        for _ in attempts(time.monotonic() + _JOINER_SILENT_S, first=0.005, limit=0.05, factor=1.5):
+            beating |= {k for k, beats in waiting.items()
+                        if k not in beating and self._store.add(f"joins/{k}/beats", 0) != beats}
+            if len(beating) == len(waiting):
+                break
+        return sorted(beating)
 
     def _agreed(self, number: int) -> Generation:
         record = self._store.get(f"{number}/members", timeout=self._timeout)

@@ -85,9 +85,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._divide_by_initial_world_size = True  # under Join: else by the live ranks (set by its hook)
         # Under Join: how many ranks this step synchronizes (read once per step, at the first bucket).
         self._live_ranks: Callable[[], int] | None = None
-        for bucket in self.buckets:
-            for i, param in enumerate(bucket.params):
-                param.register_post_accumulate_grad_hook(self._make_grad_hook(bucket, i))
+        self._grad_hooks = [param.register_post_accumulate_grad_hook(self._make_grad_hook(bucket, i))
+                            for bucket in self.buckets for i, param in enumerate(bucket.params)]
 
     # ---- set-up ------------------------------------------------------------------------------
 
@@ -117,6 +116,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._prepared = False
         _check_same_parameters([(n, p) for n, p in self.module.named_parameters() if p.requires_grad], group)
         self._sync_from([*self.module.parameters(), *self.module.buffers()])
+
+    def release(self) -> None:
+        """Stop averaging the module's gradients and taking rank 0's buffers (its passes are its own again,
+        as after torch's DDP is deleted), so that another DistributedDataParallel may wrap it: a second
+        training of the same model (shoal.elastic.LiveTraining.close calls it). Forward still runs the
+        module, with no collective."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
+        self._require_sync = False
 
     def register_comm_hook(self, state: Any, hook: Callable[[Any, GradBucket], Pending]) -> None:
         """Replace how buckets are averaged (see `shoal.parallel.comm_hooks`); call before training."""
