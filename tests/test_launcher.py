@@ -1,5 +1,6 @@
 """The `shoal run` launcher end to end: environment, rank-prefixed output, failure reports, restarts,
-signals reaching every worker, two launchers forming one static multi-node job, the store it serves."""
+signals reaching every worker, two launchers forming one static multi-node job, an elastic job forming
+without a launcher killed while it waited, the store it serves."""
 
 from __future__ import annotations
 
@@ -109,6 +110,44 @@ def test_two_launchers_form_one_static_multi_node_job() -> None:
     assert [node.returncode for node in nodes] == [0, 0]
     assert "[rank0]: sum 10 of world 4" in outputs[0] and "[rank1]: sum 10 of world 4" in outputs[0]
     assert "[rank2]: sum 10 of world 4" in outputs[1] and "[rank3]: sum 10 of world 4" in outputs[1]
+
+
+def test_a_launcher_killed_while_it_waits_for_min_nodes_is_left_out_of_the_job(tmp_path: Path) -> None:
+    """`--nnodes 3:4`: the second launcher is killed while it waits for a third node; two more arrive,
+    and the job forms with the three alive, whose workers all-reduce together."""
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def node(name: str) -> tuple[subprocess.Popen, Path]:
+        out = tmp_path / f"{name}.out"
+        with out.open("w") as sink:
+            return subprocess.Popen([sys.executable, "-m", "shoal.run", "--nnodes", "3:4", "--rdzv-endpoint",
+                                     endpoint, "--rdzv-conf", "last_call_timeout=1", "--nproc-per-node", "1",
+                                     str(SCRIPTS / "all_reduce_sum.py")],
+                                    stdout=sink, stderr=subprocess.STDOUT,
+                                    env={k: v for k, v in os.environ.items() if k != "SHOAL_SECRET"}), out
+
+    nodes = [node("first")]
+    try:
+        wait_until(lambda: "node slot 0 is waiting" in nodes[0][1].read_text(), "the first launcher serves the store",
+                   timeout=60, interval=0.05)  # the second finds the port taken and connects
+        nodes.append(node("killed"))
+        wait_until(lambda: "node slot 1 is waiting for 3 nodes" in nodes[1][1].read_text(),
+                   "the second launcher waits", timeout=60, interval=0.05)
+        nodes[1][0].kill()
+        nodes += [node("second"), node("third")]
+        codes = [proc.wait(timeout=90) for proc, _ in nodes]
+    finally:
+        for proc, _ in nodes:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    del nodes[1]
+    del codes[1]
+    outputs = [out.read_text() for _, out in nodes]
+    assert codes == [0, 0, 0], outputs
+    sums = sorted(line for text in outputs for line in text.splitlines() if ": sum " in line)
+    assert sums == [f"[rank{r}]: sum 6 of world 3" for r in range(3)], outputs
+    assert outputs[0].count("[rank0]: sum 6") == 1, outputs  # the first arrived: node rank 0
 
 
 def test_the_store_outlives_rank_0_because_the_launcher_serves_it() -> None:
