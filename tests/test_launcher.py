@@ -15,6 +15,7 @@ import pytest
 
 from shoal.elastic.launch_config import parse_args
 from shoal.ports import free_port
+from tests.processes import reaped
 from tests.waiting import process_gone, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,38 +117,33 @@ def test_a_launcher_killed_while_it_waits_for_min_nodes_is_left_out_of_the_job(t
     """`--nnodes 3:4`: the second launcher is killed while it waits for a third node; two more arrive,
     and the job forms with the three alive, whose workers all-reduce together."""
     endpoint = f"127.0.0.1:{free_port()}"
+    procs: list[subprocess.Popen] = []
 
-    def node(name: str) -> tuple[subprocess.Popen, Path]:
+    def node(name: str) -> Path:
         out = tmp_path / f"{name}.out"
         with out.open("w") as sink:
-            return subprocess.Popen([sys.executable, "-m", "shoal.run", "--nnodes", "3:4", "--rdzv-endpoint",
-                                     endpoint, "--rdzv-conf", "last_call_timeout=1", "--nproc-per-node", "1",
-                                     str(SCRIPTS / "all_reduce_sum.py")],
-                                    stdout=sink, stderr=subprocess.STDOUT,
-                                    env={k: v for k, v in os.environ.items() if k != "SHOAL_SECRET"}), out
+            procs.append(subprocess.Popen([sys.executable, "-m", "shoal.run", "--nnodes", "3:4", "--rdzv-endpoint",
+                                           endpoint, "--rdzv-conf", "last_call_timeout=1", "--nproc-per-node", "1",
+                                           str(SCRIPTS / "all_reduce_sum.py")],
+                                          stdout=sink, stderr=subprocess.STDOUT,
+                                          env={k: v for k, v in os.environ.items() if k != "SHOAL_SECRET"}))
+        return out
 
-    nodes = [node("first")]
-    try:
-        wait_until(lambda: "node slot 0 is waiting" in nodes[0][1].read_text(), "the first launcher serves the store",
+    with reaped(procs):
+        first = node("first")
+        wait_until(lambda: "node slot 0 is waiting" in first.read_text(), "the first launcher serves the store",
                    timeout=60, interval=0.05)  # the second finds the port taken and connects
-        nodes.append(node("killed"))
-        wait_until(lambda: "node slot 1 is waiting for 3 nodes" in nodes[1][1].read_text(),
-                   "the second launcher waits", timeout=60, interval=0.05)
-        nodes[1][0].kill()
-        nodes += [node("second"), node("third")]
-        codes = [proc.wait(timeout=90) for proc, _ in nodes]
-    finally:
-        for proc, _ in nodes:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    del nodes[1]
-    del codes[1]
-    outputs = [out.read_text() for _, out in nodes]
+        killed = node("killed")
+        wait_until(lambda: "node slot 1 is waiting for 3 nodes" in killed.read_text(), "the second launcher waits",
+                   timeout=60, interval=0.05)
+        procs[1].kill()
+        outs = [first, node("second"), node("third")]
+        codes = [procs[i].wait(timeout=90) for i in (0, 2, 3)]
+    outputs = [out.read_text() for out in outs]
     assert codes == [0, 0, 0], outputs
     sums = sorted(line for text in outputs for line in text.splitlines() if ": sum " in line)
     assert sums == [f"[rank{r}]: sum 6 of world 3" for r in range(3)], outputs
-    assert outputs[0].count("[rank0]: sum 6") == 1, outputs  # the first arrived: node rank 0
+    assert "[rank0]: sum 6 of world 3" in outputs[0], outputs  # the first to arrive is node rank 0
 
 
 def test_the_store_outlives_rank_0_because_the_launcher_serves_it() -> None:

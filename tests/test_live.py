@@ -23,6 +23,7 @@ from shoal.data import ElasticSampler
 from shoal.elastic.live import LiveTraining
 from shoal.ports import free_port
 from tests.live_reports import assert_alike, states
+from tests.processes import reaped
 from tests.ranks import run_ranks
 from tests.waiting import wait_until
 
@@ -245,15 +246,11 @@ def test_a_node_that_arrives_later_joins_the_job_and_a_lost_node_is_dropped(tmp_
         assert all(proc.poll() is None for proc, _ in nodes), [out.read_text() for _, out in nodes]
         return False
 
-    try:
+    with reaped([proc for proc, _ in nodes]) as procs:
         wait_until(formed, "the first two nodes have formed the job", timeout=90, interval=0.1)
         nodes.append(node("c", "--kill-launcher", "2:10"))  # slot 2: the node's only worker has launch rank 2
-        codes = [proc.wait(timeout=150) for proc, _ in nodes]
-    finally:
-        for proc, _ in nodes:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        procs.append(nodes[-1][0])
+        codes = [proc.wait(timeout=150) for proc in procs]
     outputs = [out.read_text() for _, out in nodes]
     assert codes == [0, 0, -signal.SIGKILL], outputs
     # Every node keeps a replica of the store, so none waits for the killed node to fall silent to end.
