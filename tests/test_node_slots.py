@@ -72,7 +72,7 @@ def _beating(store: Store, name: str) -> threading.Event:
 
 def test_with_a_fixed_node_count_a_rank_is_taken_again_only_once_its_launcher_is_gone(
         node: Callable[..., NodeSlots], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(node_slots_module, "_SILENT_S", 1.0)
+    monkeypatch.setattr(node_slots_module, "_SILENT_S", 2.0)
     first = node("a", min_nodes=2, max_nodes=2)
     assert first.place(1, join_timeout=LONG, last_call=NOW, take_late=False) == NodePlace(1, 4, late=False)
     with pytest.raises(RuntimeError, match=r"node rank 1 is held by a running launcher of this job \(a\)"):
@@ -92,7 +92,7 @@ def test_the_job_forms_once_min_nodes_have_arrived_with_the_nodes_present(node: 
 
 def test_a_launcher_killed_while_it_waits_is_left_out_of_the_job(
         store: Store, node: Callable[..., NodeSlots], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(node_slots_module, "_SILENT_S", 1.0)
+    monkeypatch.setattr(node_slots_module, "_SILENT_S", 2.0)
     _killed_while_waiting(store, "killed")  # slot 0
     with ThreadPoolExecutor(2) as pool:
         places = list(pool.map(lambda name: node(name, min_nodes=2).place(
@@ -104,7 +104,7 @@ def test_a_launcher_killed_while_it_waits_is_left_out_of_the_job(
 
 def test_a_launcher_killed_a_moment_before_the_job_forms_is_left_out(
         store: Store, node: Callable[..., NodeSlots], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(node_slots_module, "_SILENT_S", 1.0)
+    monkeypatch.setattr(node_slots_module, "_SILENT_S", 2.0)
     with ThreadPoolExecutor(3) as pool:
         first = pool.submit(node("a", min_nodes=3, max_nodes=4).place, None, join_timeout=LONG, last_call=NOW,
                             take_late=True)
@@ -174,7 +174,7 @@ def test_two_late_nodes_never_both_take_the_last_seat(node: Callable[..., NodeSl
 
 def test_a_late_node_takes_the_seat_of_a_node_killed_while_it_ran(
         store: Store, node: Callable[..., NodeSlots], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(node_slots_module, "_SILENT_S", 1.0)
+    monkeypatch.setattr(node_slots_module, "_SILENT_S", 2.0)
     killed = NodeSlots(_client(store), "b", nproc_per_node=2, min_nodes=1, max_nodes=2, stopping=threading.Event())
     dead = _beating(store, "b")
     with ThreadPoolExecutor(2) as pool:
