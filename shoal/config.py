@@ -72,6 +72,12 @@ def _switch(text: str) -> bool:
     return text == "1"
 
 
+def _host_id(text: str) -> str:
+    if len(text) > 64 or not all(c.isalnum() or c in "-_." for c in text):
+        raise ValueError("expected a name of at most 64 letters, digits, '-', '_' or '.'")
+    return text
+
+
 # ---- what users set ---------------------------------------------------------------------------------
 
 SHOAL_SECRET = Variable[str | None](
@@ -86,6 +92,9 @@ SHOAL_HEARTBEAT_TIMEOUT = Variable[float](
     "SHOAL_HEARTBEAT_TIMEOUT", 5.0, _positive_seconds, "seconds of silence after which a peer is given up")
 SHOAL_SHM = Variable[bool](
     "SHOAL_SHM", True, _switch, "0: ranks on one host talk over TCP only, without shared memory")
+SHOAL_HOST_ID = Variable[str | None](
+    "SHOAL_HOST_ID", None, _host_id,
+    "names the host this rank is on, over the boot id: ranks share memory only with those of the same name")
 SHOAL_TRACE = Variable[str | None](
     "SHOAL_TRACE", None, str, "a directory: trace this process into it, as `shoal run --trace DIR` does")
 SHOAL_FLIGHT_RECORDER = Variable[int](

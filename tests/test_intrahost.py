@@ -1,6 +1,6 @@
 """Collectives through shared memory between ranks on one host: results over several rounds, the
-choice of path when some ranks cannot share memory (the hierarchical all-reduce), agreement with the
-ring, mismatched calls that do not hang, and nothing left behind."""
+choice of path when some ranks cannot share memory or are named onto other hosts (the hierarchical
+all-reduce), agreement with the ring, mismatched calls that do not hang, and nothing left behind."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import torch
 
 import shoal
 import shoal.distributed as dist
+from shoal.comm.algorithms import hierarchy
 from shoal.comm.shm import arena, futex
+from shoal.comm.shm.region import Region
 from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not futex.supported(), reason="shared-memory collectives need Linux on x86-64")
@@ -88,6 +90,37 @@ def test_a_group_spanning_hosts_reduces_in_shared_memory_within_them_and_over_th
     hosts = run_ranks(_apart, world, apart, ROUNDS_NUMEL, backend=None, timeout=180)
     together = tuple(r for r in range(world) if r != apart)
     assert all(h == tuple(sorted([together, (apart,)])) for h in hosts.values()), hosts
+
+
+def _on_named_hosts(rank: int, world: int, port: int, numel: int) -> tuple:
+    os.environ["SHOAL_HOST_ID"] = f"host{rank % 2}"  # ranks 0 and 2 on one host, 1 and 3 on the other
+    hierarchy.PIECE_BYTES = 256 << 10  # forty pieces, two at a time on the network
+    dist.init_process_group("shoal", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    hosts = _every_collective(rank, world, numel)
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    dist.all_reduce(tensor)
+    return hosts, tensor
+
+
+def test_ranks_named_onto_two_hosts_reduce_within_each_and_between_them() -> None:
+    out = run_ranks(_on_named_hosts, 4, ROUNDS_NUMEL, backend=None, timeout=180)
+    assert all(hosts == ((0, 2), (1, 3)) for hosts, _ in out.values()), out
+    want = sum(torch.randn(ROUNDS_NUMEL, generator=torch.Generator().manual_seed(r)).double() for r in range(4))
+    torch.testing.assert_close(out[0][1].double(), want, rtol=0, atol=1e-5)
+    assert all(torch.equal(tensor, out[0][1]) for _, tensor in out.values())  # the leaders' result, broadcast
+
+
+def test_a_region_of_another_named_host_is_not_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHOAL_HOST_ID", "here")
+    own = Region.create(4096, "test")
+    try:
+        assert Region.open(own.name, 4096).name == own.name
+        monkeypatch.setenv("SHOAL_HOST_ID", "elsewhere")
+        with pytest.raises(ValueError, match="on host here, not ours"):
+            Region.open(own.name, 4096)
+    finally:
+        own.close_descriptor()
 
 
 def _mismatch_on_one_host(rank: int, world: int, port: int) -> str:

@@ -1,11 +1,11 @@
 """Which ranks of a group share a host, found once per group over the group's own (authenticated)
 connections, and the arena of shared memory (arena.py) the ranks of our host use from then on.
 
-Every rank makes a region and announces it with its host's identity (the kernel's boot id); ranks that
-announce the same host try to map each other's regions, and say which they could map. A host's ranks
-share an arena only if every one of them mapped every other (two containers on one machine share a
-boot id but not their processes' memory): otherwise each stays on its own, and the ring connects them.
-A rank with SHOAL_SHM=0 announces no region and is a host of its own.
+Every rank makes a region and announces it; its name carries the rank's host identity (the kernel's
+boot id, or SHOAL_HOST_ID). Ranks that announce the same host try to map each other's regions, and say
+which they could map. A host's ranks share an arena only if every one of them mapped every other (two
+containers on one machine share a boot id but not their processes' memory): otherwise each stays on
+its own, and the ring connects them. A rank with SHOAL_SHM=0 announces no region and is a host of its own.
 """
 
 from __future__ import annotations
@@ -60,15 +60,15 @@ def alone() -> Placement:
 def discover(ch: ring.Channel, global_ranks: Sequence[int]) -> Placement:
     """Find the group's hosts; every rank of the group must call this in the same collective."""
     n, me = ch.size, ch.rank
-    host, own = _own_region()
+    own = _own_region()
     try:
-        announced = _exchange(Subchannel(ch, range(n), _DISCOVERY_SUB), f"{host}|{own.name}" if own else "")
-        hosts_of = [text.partition("|")[0] or None for text in announced]
+        announced = _exchange(Subchannel(ch, range(n), _DISCOVERY_SUB), own.name if own else "")
+        hosts_of = [name.rpartition("/")[0] or None for name in announced]
         regions: dict[int, Region] = {} if own is None else {me: own}
-        for rank, text in enumerate(announced):
+        for rank, name in enumerate(announced):
             if rank != me and own is not None and hosts_of[rank] == hosts_of[me]:
                 try:
-                    regions[rank] = Region.open(text.partition("|")[2], arena.SIZE)
+                    regions[rank] = Region.open(name, arena.SIZE)
                 except (OSError, ValueError):
                     pass  # not ours to share: another pid namespace, another user
         mapped = _exchange(Subchannel(ch, range(n), _DISCOVERY_SUB + _SECOND),
@@ -102,10 +102,12 @@ def group_hosts(hosts_of: list[str | None], mapped: list[list[bool]]) -> tuple[t
 
 class Subchannel:
     """Some ranks of a channel (`members`, in its ranks) as a channel of their own, with frame numbers
-    shifted by `sub_base`: the ring algorithms run on it unchanged."""
+    shifted by `sub_base`: the ring algorithms run on it unchanged. Given `scratch`, it uses that
+    memory rather than the channel's, so that two subchannels may run at once."""
 
-    def __init__(self, ch: ring.Channel, members: Sequence[int], sub_base: int = 0) -> None:
-        self._ch, self._members, self._base = ch, list(members), sub_base
+    def __init__(self, ch: ring.Channel, members: Sequence[int], sub_base: int = 0,
+                 scratch: torch.Tensor | None = None) -> None:
+        self._ch, self._members, self._base, self._scratch = ch, list(members), sub_base, scratch
         self.rank, self.size = self._members.index(ch.rank), len(self._members)
 
     def recv(self, src: int, sub: int, view: memoryview, process: Callable[[], None] | None = None) -> object:
@@ -121,7 +123,10 @@ class Subchannel:
         self._ch.flush()
 
     def scratch(self, nbytes: int) -> torch.Tensor:
-        return self._ch.scratch(nbytes)
+        if self._scratch is None:
+            return self._ch.scratch(nbytes)
+        assert nbytes <= self._scratch.numel(), (nbytes, self._scratch.numel())
+        return self._scratch[:nbytes]
 
 
 def _exchange(ch: ring.Channel, text: str) -> list[str]:
@@ -136,15 +141,13 @@ def _exchange(ch: ring.Channel, text: str) -> list[str]:
     return [bytes(out.numpy()).rstrip(b"\0").decode() for out in outs]
 
 
-def _own_region() -> tuple[str, Region | None]:
-    """Our host's identity and our region, or no region where memory cannot be shared from here (then
-    we are a host of our own: failing instead would leave the peers waiting for our announcement)."""
+def _own_region() -> Region | None:
+    """Our region, or none where memory cannot be shared from here (then we are a host of our own:
+    failing instead would leave the peers waiting for our announcement)."""
     if not (region.available() and futex.supported()):
-        return "", None
+        return None
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            host = f.read().strip()
-        return host, arena.new_region()
+        return arena.new_region()
     except OSError as exc:
         log.warning("no shared memory for this group's collectives (%s): they take the ring", exc)
-        return "", None
+        return None

@@ -147,6 +147,15 @@ def all_reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp) -> None:
                 ch.send(dst, 0, mine)
         exchange.finish(op)
         return
+    _wait_all(ch, start_all_reduce(ch, flat, op))
+    ch.flush()
+
+
+def start_all_reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp) -> list:
+    """Start the ring all-reduce of a tensor over SMALL_BYTES; once the returned receives are done, `flat`
+    holds the result (our own sends may read it until `ch.flush()`). Its frames are numbered from 0 to
+    `frames(ch.size, flat)`."""
+    n, me = ch.size, ch.rank
     layout = _Layout(flat, split(flat.numel(), n))
     chunks, right, left = layout.chunks, (me + 1) % n, (me - 1) % n
     base = (n - 1) * chunks  # all-gather frames are numbered after the reduce-scatter ones
@@ -164,9 +173,12 @@ def all_reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp) -> None:
         finish_(chunk, op, n)
         ch.send(right, base + c, as_bytes(chunk))
 
-    _wait_all(ch, _ring_reduce_scatter(ch, layout, op, start_gather))
-    _wait_all(ch, gathered)
-    ch.flush()
+    return _ring_reduce_scatter(ch, layout, op, start_gather) + gathered
+
+
+def frames(n: int, flat: torch.Tensor) -> int:
+    """How many frame numbers `start_all_reduce` of `flat` over `n` ranks uses."""
+    return 2 * (n - 1) * _Layout(flat, split(flat.numel(), n)).chunks
 
 
 def broadcast(ch: Channel, flat: torch.Tensor, root: int) -> None:

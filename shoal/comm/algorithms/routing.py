@@ -1,7 +1,8 @@
 """The path each collective of a group takes, given where its ranks are (placement.py): shared memory
 (intrahost.py) when they all share one host, the ring (ring.py) when no two do, and for an all-reduce in
-a group that does both, a hierarchy: each host reduces in shared memory, the first rank of each host
-runs the ring with the other hosts' first ranks, and each host broadcasts the result in shared memory.
+a group that does both, a hierarchy (hierarchy.py): each host reduces in shared memory, the first rank
+of each host runs the ring with the other hosts' first ranks, and each host broadcasts the result in
+shared memory.
 In such mixed groups the other collectives keep the ring, as do reduce, gather, scatter and all-to-all
 everywhere (`on_ring`).
 """
@@ -13,8 +14,8 @@ from typing import Protocol
 
 import torch
 
-from shoal.comm.algorithms import intrahost, ring
-from shoal.comm.algorithms.placement import Placement, Subchannel
+from shoal.comm.algorithms import hierarchy, intrahost, ring
+from shoal.comm.algorithms.placement import Placement
 from shoal.comm.algorithms.reduce_op import ReduceOp, finish_
 from shoal.comm.algorithms.segments import Segments
 from shoal.comm.shm.arena import Watch
@@ -72,18 +73,8 @@ def all_reduce(ch: OpChannel, placement: Placement, data: Segments, op: ReduceOp
         ring.all_reduce(ch, flat, op)  # no arena to tell
     else:
         partial = ReduceOp.SUM if op == ReduceOp.AVG else op  # divided once, by the whole group's size
-        if arena is not None:
-            _in_arena(ch, placement, lambda: intrahost.all_reduce(arena, Segments([flat]), partial))
-        if ch.rank in placement.leaders:
-            def between_hosts() -> None:
-                ring.all_reduce(Subchannel(ch, placement.leaders), flat, partial)
-
-            if arena is None:
-                between_hosts()
-            else:  # in the arena's care, so that a failure here frees the ranks waiting there for the result
-                _in_arena(ch, placement, between_hosts)
-        if arena is not None:
-            _in_arena(ch, placement, lambda: intrahost.broadcast(arena, flat, 0))
+        hierarchy.all_reduce(ch, placement, flat, partial,
+                             lambda body: body() if arena is None else _in_arena(ch, placement, body))
         finish_(flat, op, ch.size)
     data.unpack(flat)
 

@@ -2,10 +2,11 @@
 lanes (lanes.py) and under the collectives of ranks on one host (arena.py).
 
 A region is anonymous memory (memfd): it has no name in any file system, so nothing can be left
-behind when a process dies. The creator announces `pid:fd:token` over an authenticated connection;
-the peer opens /proc/PID/fd/FD (possible only on the same host, for the same user) and checks the
-random token written at the region's start, so a same-numbered descriptor on another host is never
-mistaken for it. Once every peer has mapped it, the creator closes its descriptor.
+behind when a process dies. The creator announces `host/pid:fd:token` over an authenticated
+connection; a peer of the same host (`host()`) opens /proc/PID/fd/FD (possible only on the same
+machine, for the same user) and checks the random token written at the region's start, so a
+same-numbered descriptor on another machine is never mistaken for it. Once every peer has mapped it,
+the creator closes its descriptor.
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ from shoal import config
 
 TOKEN = slice(0, 16)  # the region's random identity; what follows is the user's
 HEADER_BYTES = 64  # the token, padded to a cache line
+
+
+def host() -> str:
+    """This host's identity: SHOAL_HOST_ID where set (ranks of one machine told apart, as if on several),
+    else the kernel's boot id. Only ranks of one identity share memory."""
+    named = config.SHOAL_HOST_ID.get()
+    if named is not None:
+        return named
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
 
 
 def available() -> bool:
@@ -47,15 +58,18 @@ class Region:
             os.close(fd)
             raise
         memory[TOKEN] = token
-        return cls(memory, f"{os.getpid()}:{fd}:{token.hex()}", fd)
+        return cls(memory, f"{host()}/{os.getpid()}:{fd}:{token.hex()}", fd)
 
     @classmethod
     def open(cls, name: str, size: int) -> Region:
         """Map the region a peer announced as `name`; OSError or ValueError where it cannot be (another
         host, another user, another pid namespace)."""
-        pid, fd_number, token = name.split(":") if name.count(":") == 2 else ("", "", "")
-        if not (pid.isdigit() and fd_number.isdigit() and len(token) == 32):
+        owner, _, rest = name.rpartition("/")
+        pid, fd_number, token = rest.split(":") if rest.count(":") == 2 else ("", "", "")
+        if not (owner and pid.isdigit() and fd_number.isdigit() and len(token) == 32):
             raise ValueError(f"bad shared-memory region name {name!r}")
+        if owner != host():
+            raise ValueError(f"shared-memory region {name} is on host {owner}, not ours ({host()})")
         # Mapped writable even where we only read: torch cannot wrap a read-only buffer.
         fd = os.open(f"/proc/{int(pid)}/fd/{int(fd_number)}", os.O_RDWR)
         try:
