@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from shoal.comm.algorithms.reduce_op import ReduceOp, combine_, finish_
+from shoal.comm.algorithms.reduce_op import ReduceOp, combine_, finish_, reduce_into
 from shoal.comm.shm.lanes import SLOT_BYTES
 from shoal.comm.transport.frames import as_bytes
 
@@ -75,9 +75,11 @@ class _Layout:
 
 
 def _ring_reduce_scatter(ch: Channel, layout: _Layout, op: ReduceOp,
-                         on_reduced: Callable[[int, torch.Tensor], None] | None = None) -> list:
+                         on_reduced: Callable[[int, torch.Tensor], None] | None = None,
+                         kept: tuple[list[torch.Tensor], torch.Tensor] | None = None) -> list:
     """Start a ring reduce-scatter; once the returned receives are done, segment `ch.rank` of the
-    flat tensor holds the reduction over all ranks.
+    flat tensor holds the reduction over all ranks. With `kept` = (blocks, out), segment k's input is
+    blocks[k] and is left as it is: partial reductions stay in scratch, and ours lands in `out`.
 
     Step s sends segment (rank-s-1) to the right and reduces segment (rank-s-2) from the left, a
     chunk at a time, as each chunk arrives; `on_reduced(c, chunk)` sees each chunk of our own
@@ -88,22 +90,34 @@ def _ring_reduce_scatter(ch: Channel, layout: _Layout, op: ReduceOp,
     scratch = ch.scratch((n - 1) * layout.max_segment * layout.flat.element_size()).view(layout.flat.dtype)
     slots = [scratch[s * layout.max_segment:(s + 1) * layout.max_segment] for s in range(n - 1)]
 
+    def own(k: int, c: int) -> torch.Tensor:
+        """Chunk c of our input to segment k."""
+        return layout.chunk(k, c) if kept is None else layout.chunk(k, c, kept[0][k])
+
     def reducer(s: int, c: int) -> Callable[[], None]:
         k = (me - s - 2) % n
 
         def process() -> None:
-            mine = layout.chunk(k, c)
-            combine_(mine, layout.chunk(k, c, slots[s]), op)
+            received = layout.chunk(k, c, slots[s])
+            if kept is None:
+                reduced = own(k, c)
+                combine_(reduced, received, op)
+            elif s < n - 2:
+                reduced = received
+                combine_(reduced, own(k, c), op)
+            else:
+                reduced = layout.chunk(k, c, kept[1])
+                reduce_into(reduced, [own(k, c), received], op)
             if s < n - 2:
-                ch.send(right, (s + 1) * chunks + c, as_bytes(mine))
+                ch.send(right, (s + 1) * chunks + c, as_bytes(reduced))
             elif on_reduced is not None:
-                on_reduced(c, mine)
+                on_reduced(c, reduced)
         return process
 
     handles = [ch.recv(left, s * chunks + c, as_bytes(layout.chunk((me - s - 2) % n, c, slots[s])),
                        reducer(s, c)) for s in range(n - 1) for c in range(chunks)]
     for c in range(chunks):
-        ch.send(right, c, as_bytes(layout.chunk((me - 1) % n, c)))
+        ch.send(right, c, as_bytes(own((me - 1) % n, c)))
     return handles
 
 
@@ -248,11 +262,10 @@ def reduce_scatter(ch: Channel, out: torch.Tensor, blocks: list[torch.Tensor], o
         out.copy_(blocks[me])
         exchange.finish(op)
         return
-    work = torch.cat(blocks)
-    layout = _Layout(work, [i * out.numel() for i in range(n + 1)])
-    _wait_all(ch, _ring_reduce_scatter(ch, layout, op))
+    whole = torch.empty(0, dtype=out.dtype)  # the blocks stay where they are: only the geometry is needed
+    layout = _Layout(whole, [i * out.numel() for i in range(n + 1)])
+    _wait_all(ch, _ring_reduce_scatter(ch, layout, op, kept=(blocks, out)))
     ch.flush()
-    out.copy_(layout.segment(me))
     finish_(out, op, n)
 
 
