@@ -73,8 +73,8 @@ def _switch(text: str) -> bool:
 
 
 def _host_id(text: str) -> str:
-    if len(text) > 64 or not all(c.isalnum() or c in "-_." for c in text):
-        raise ValueError("expected a name of at most 64 letters, digits, '-', '_' or '.'")
+    if len(text) > 64 or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in text):
+        raise ValueError("expected a name of at most 64 ASCII letters, digits, '-', '_' or '.'")
     return text
 
 

@@ -62,6 +62,8 @@ def test_an_unset_or_empty_variable_has_its_default(monkeypatch: pytest.MonkeyPa
     (config.SHOAL_FLIGHT_RECORDER, "many", "SHOAL_FLIGHT_RECORDER='many': expected a whole number, 0 or more"),
     (config.SHOAL_SHM, "yes", "SHOAL_SHM='yes': expected 1 \\(on\\) or 0 \\(off\\)"),
     (config.RANK, "first", "RANK='first': expected a whole number, 0 or more"),
+    (config.SHOAL_HOST_ID, "rack/1", "SHOAL_HOST_ID='rack/1': expected a name of at most 64 ASCII letters, "
+                                     "digits, '-', '_' or '.'"),
 ])
 def test_a_bad_value_is_named_with_what_was_expected(monkeypatch: pytest.MonkeyPatch, variable: config.Variable,
                                                      text: str, expected: str) -> None:
@@ -75,4 +77,12 @@ def test_a_transport_refuses_a_bad_heal_timeout(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setenv("SHOAL_HEAL_TIMEOUT", "0")
     with pytest.raises(ValueError, match="SHOAL_HEAL_TIMEOUT='0': expected a positive number of seconds"):
+        Transport(0, 1, secret=b"s", session=b"t", host="127.0.0.1", stall_timeout=timedelta(seconds=5))
+
+
+def test_a_transport_refuses_a_bad_host_name_before_any_link_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal.comm.transport import Transport
+
+    monkeypatch.setenv("SHOAL_HOST_ID", "h\u00f6st")
+    with pytest.raises(ValueError, match="SHOAL_HOST_ID='h\u00f6st': expected a name of at most 64 ASCII"):
         Transport(0, 1, secret=b"s", session=b"t", host="127.0.0.1", stall_timeout=timedelta(seconds=5))

@@ -362,6 +362,26 @@ def test_reduce_scatter(monkeypatch: pytest.MonkeyPatch, size: int, numel: int, 
         _assert_same(inputs[rank], originals[rank], f"rank {rank}'s blocks")
 
 
+@pytest.mark.parametrize("whose", ["ours", "the next rank's"])
+@pytest.mark.parametrize(("thresholds", "numel"), [("default", 9000), ("small", 70)])
+@pytest.mark.parametrize("size", [2, 3])
+def test_reduce_scatter_into_one_of_its_own_blocks(monkeypatch: pytest.MonkeyPatch, size: int, numel: int,
+                                                  thresholds: str, whose: str) -> None:
+    _set_thresholds(monkeypatch, thresholds)
+    inputs = [x.view(size, numel) for x in _inputs(size, size * numel, torch.int64, ReduceOp.SUM, seed=numel)]
+    expected = _reference([x.clone() for x in inputs], ReduceOp.SUM)
+
+    def body(ch: _FakeChannel) -> torch.Tensor:
+        blocks = list(inputs[ch.rank].unbind())
+        out = blocks[ch.rank if whose == "ours" else (ch.rank + 1) % size]
+        ring.reduce_scatter(ch, out, blocks, ReduceOp.SUM)
+        return out.clone()
+
+    results, _ = _run(size, body)
+    for rank, got in enumerate(results):
+        _assert_same(got, expected[rank], f"rank {rank}")
+
+
 @pytest.mark.parametrize(("thresholds", "numel"), _SIZES)
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_all_gather(monkeypatch: pytest.MonkeyPatch, size: int, numel: int, thresholds: str) -> None:

@@ -3,15 +3,15 @@
 the ring, and each host broadcasts the result in its arena; only the leaders' bytes cross the network.
 
 The tensor goes in pieces, so that while the network carries one piece the hosts reduce the next and
-broadcast the one before: the operation takes about as long as the network's share alone, where one
-piece after another it would take that plus two passes over the whole tensor in memory.
+broadcast the one before: where the network is the limit, the operation takes about as long as its
+bytes on the network alone, where one step after another it would take that plus two passes over the
+whole tensor in memory.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -24,18 +24,16 @@ PIECE_BYTES = 4 << 20
 _IN_FLIGHT = 2  # pieces on the network at once: the one finishing and the one just started
 
 
-def all_reduce(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: ReduceOp,
-               in_arena: Callable[[Callable[[], None]], None]) -> None:
-    """Reduce `flat` with `op` over every rank of the group (AVG is the caller's to divide); `in_arena`
-    runs a body in the arena's care, so that a failure in it frees the ranks waiting there."""
+def all_reduce(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: ReduceOp) -> None:
+    """Reduce `flat` with `op` over every rank of the group (AVG is the caller's to divide). Runs in the
+    arena's care where this host has one, so that a failure on the network frees its ranks waiting there."""
     arena, leaders = placement.arena, placement.leaders
     count = max(1, math.ceil(flat.numel() * flat.element_size() / PIECE_BYTES))
     pieces = [flat[a:b] for a, b in itertools.pairwise(ring.split(flat.numel(), count))]
     leading = ch.rank in leaders
     if leading:  # each piece in flight has frame numbers and scratch memory of its own
-        span = ring.frames(len(leaders), pieces[0])
-        share = pieces[0].numel() * flat.element_size() * len(leaders)  # the most a ring all-reduce asks
-        scratch = ch.scratch(_IN_FLIGHT * share)
+        span, share = ring.frames(len(leaders), pieces[0]), ring.scratch_bytes(len(leaders), pieces[0])
+        scratch = ch.scratch(min(count, _IN_FLIGHT) * share)
     receives: list[list] = []
 
     def start(k: int) -> None:
@@ -46,20 +44,17 @@ def all_reduce(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: R
         else:
             receives.append(ring.start_all_reduce(between, pieces[k], op))
 
-    def finish(k: int) -> None:
-        if leading:
-            for handle in receives[k]:
-                ch.wait(handle)
-        if arena is not None:
-            intrahost.broadcast(arena, pieces[k], 0)
-
     for k in range(count + 1):
         if k < count:
             if arena is not None:
-                in_arena(lambda k=k: intrahost.all_reduce(arena, Segments([pieces[k]]), op))
+                intrahost.all_reduce(arena, Segments([pieces[k]]), op)
             if leading:
-                in_arena(lambda k=k: start(k))
+                start(k)
         if k > 0:
-            in_arena(lambda k=k: finish(k - 1))
+            if leading:
+                for handle in receives[k - 1]:
+                    ch.wait(handle)
+            if arena is not None:
+                intrahost.broadcast(arena, pieces[k - 1], 0)
     if leading:
         ch.flush()  # our last sends may still read `flat`

@@ -23,7 +23,7 @@ from shoal.comm.shm.region import Region
 
 log = logging.getLogger(__name__)
 
-_RECORD_BYTES = 256  # host identity and region name, padded
+_RECORD_BYTES = 256  # a region name (it carries the host), padded
 # Discovery runs inside the group's first collective, in frames numbered where that collective's own
 # ring frames never reach: its two exchanges from here, and from here plus _SECOND.
 _DISCOVERY_SUB = 1 << 31

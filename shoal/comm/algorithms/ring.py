@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from shoal.comm.algorithms.reduce_op import ReduceOp, combine_, finish_, reduce_into
+from shoal.comm.algorithms.reduce_op import ReduceOp, combine_, finish_, finish_into, reduce_into
 from shoal.comm.shm.lanes import SLOT_BYTES
 from shoal.comm.transport.frames import as_bytes
 
@@ -190,6 +190,13 @@ def start_all_reduce(ch: Channel, flat: torch.Tensor, op: ReduceOp) -> list:
     return _ring_reduce_scatter(ch, layout, op, start_gather) + gathered
 
 
+def scratch_bytes(n: int, flat: torch.Tensor) -> int:
+    """The scratch memory an all-reduce of `flat` over `n` ranks asks its channel for."""
+    if flat.numel() * flat.element_size() <= SMALL_BYTES:
+        return flat.numel() * flat.element_size() * n  # _DirectReduce's slots
+    return (n - 1) * math.ceil(flat.numel() / n) * flat.element_size()  # _ring_reduce_scatter's
+
+
 def frames(n: int, flat: torch.Tensor) -> int:
     """How many frame numbers `start_all_reduce` of `flat` over `n` ranks uses."""
     return 2 * (n - 1) * _Layout(flat, split(flat.numel(), n)).chunks
@@ -264,9 +271,17 @@ def reduce_scatter(ch: Channel, out: torch.Tensor, blocks: list[torch.Tensor], o
         return
     whole = torch.empty(0, dtype=out.dtype)  # the blocks stay where they are: only the geometry is needed
     layout = _Layout(whole, [i * out.numel() for i in range(n + 1)])
-    _wait_all(ch, _ring_reduce_scatter(ch, layout, op, kept=(blocks, out)))
+    # An output over a block we send would be overwritten while the send (or its resend) still reads it.
+    result = torch.empty_like(out) if any(_overlap(out, b) for k, b in enumerate(blocks) if k != me) else out
+    _wait_all(ch, _ring_reduce_scatter(ch, layout, op, kept=(blocks, result)))
     ch.flush()
-    finish_(out, op, n)
+    finish_into(out, result, op, n)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two flat tensors share any byte of memory."""
+    a_end, b_end = a.data_ptr() + a.nbytes, b.data_ptr() + b.nbytes
+    return a.nbytes > 0 and b.nbytes > 0 and a.data_ptr() < b_end and b.data_ptr() < a_end
 
 
 def all_gather(ch: Channel, outs: list[torch.Tensor], mine: torch.Tensor) -> None:

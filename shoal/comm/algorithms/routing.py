@@ -2,9 +2,8 @@
 (intrahost.py) when they all share one host, the ring (ring.py) when no two do, and for an all-reduce in
 a group that does both, a hierarchy (hierarchy.py): each host reduces in shared memory, the first rank
 of each host runs the ring with the other hosts' first ranks, and each host broadcasts the result in
-shared memory.
-In such mixed groups the other collectives keep the ring, as do reduce, gather, scatter and all-to-all
-everywhere (`on_ring`).
+shared memory. In such mixed groups the other collectives keep the ring, as do reduce, gather, scatter
+and all-to-all everywhere (`on_ring`).
 """
 
 from __future__ import annotations
@@ -73,8 +72,10 @@ def all_reduce(ch: OpChannel, placement: Placement, data: Segments, op: ReduceOp
         ring.all_reduce(ch, flat, op)  # no arena to tell
     else:
         partial = ReduceOp.SUM if op == ReduceOp.AVG else op  # divided once, by the whole group's size
-        hierarchy.all_reduce(ch, placement, flat, partial,
-                             lambda body: body() if arena is None else _in_arena(ch, placement, body))
+        if arena is None:
+            hierarchy.all_reduce(ch, placement, flat, partial)
+        else:
+            _in_arena(ch, placement, lambda: hierarchy.all_reduce(ch, placement, flat, partial))
         finish_(flat, op, ch.size)
     data.unpack(flat)
 

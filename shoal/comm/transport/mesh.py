@@ -51,6 +51,7 @@ class Transport:
         self._stall_timeout = stall_timeout
         self._heal_timeout = _seconds(heal_timeout, config.SHOAL_HEAL_TIMEOUT)
         self._heartbeat_timeout = _seconds(heartbeat_timeout, config.SHOAL_HEARTBEAT_TIMEOUT)
+        config.SHOAL_HOST_ID.get()  # a bad name fails here, naming itself, not later inside a link's thread
         self._secret, self._session = secret, session
         self._lock = threading.Lock()
         self._links: dict[int, PeerLink] = {}
