@@ -1,4 +1,4 @@
-"""A timed SGD training step, the same in every benchmark that compares step times."""
+"""How benchmarks time what they compare: a training step, ops taken in turn, batches of communication ops."""
 
 from __future__ import annotations
 
@@ -83,3 +83,21 @@ def batched(op: Callable[[], Any], nbytes: int) -> tuple[Callable[[], None], int
         for _ in range(count):
             op()
     return batch, count
+
+
+def slowest_call(ops: dict[str, Callable[[], Any]], nbytes: int, repeats: int,
+                 barrier: Callable[[], Any]) -> dict[str, float]:
+    """Seconds per call of each communication op on `nbytes`: batches of it (`batched`) timed in turn
+    (`interleaved`), the median batch divided by its length, the slowest rank's (over torch.distributed's
+    default group, which every rank must be in)."""
+    import torch
+    import torch.distributed as tdist
+
+    batches = {label: batched(op, nbytes) for label, op in ops.items()}
+    medians = interleaved({label: batch for label, (batch, _) in batches.items()}, repeats, barrier)
+    times = {}
+    for label, (_, count) in batches.items():
+        seconds = torch.tensor([medians[label] / count], dtype=torch.float64)
+        tdist.all_reduce(seconds, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
+        times[label] = seconds.item()
+    return times

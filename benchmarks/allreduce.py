@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
-from benchmarks._steps import batched, interleaved
+from benchmarks._steps import slowest_call
 from shoal.ports import free_port
 from tests.ranks import run_ranks
 
@@ -39,15 +39,9 @@ def _worker(rank: int, world_size: int, port: int, gloo_port: int, sizes: list[s
     for label in sizes:
         nbytes = SIZES[label]
         tensor = torch.ones(nbytes // 4)
-        batches = {"shoal": batched(partial(dist.all_reduce, tensor), nbytes),
-                   "gloo": batched(partial(tdist.all_reduce, tensor), nbytes)}
         # One batch of each in turn: this machine's speed drifts, and should slow both alike.
-        medians = interleaved({name: batch for name, (batch, _) in batches.items()}, repeats, dist.barrier)
-        times = {}
-        for name, (_, count) in batches.items():
-            seconds = torch.tensor([medians[name] / count], dtype=torch.float64)
-            tdist.all_reduce(seconds, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
-            times[name] = seconds.item()
+        times = slowest_call({"shoal": partial(dist.all_reduce, tensor), "gloo": partial(tdist.all_reduce, tensor)},
+                             nbytes, repeats, dist.barrier)
         rows.append((label, nbytes, times))
     tdist.destroy_process_group()
     dist.destroy_process_group()

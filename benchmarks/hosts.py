@@ -23,7 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
-from benchmarks._steps import batched, interleaved
+from benchmarks._steps import slowest_call
 from tests.hosts import TwoHosts, namespaces_missing
 
 SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
@@ -66,14 +66,8 @@ def _worker(rank: int, world: int, address: str, collectives: list[str], sizes: 
     for name in collectives:
         for label in sizes:
             nbytes = SIZES[label]
-            batches = {"shoal": batched(_op(dist, name, nbytes, world), nbytes),
-                       "gloo": batched(_op(tdist, name, nbytes, world), nbytes)}
-            medians = interleaved({lib: batch for lib, (batch, _) in batches.items()}, repeats, dist.barrier)
-            times = {}
-            for lib, (_, count) in batches.items():
-                seconds = torch.tensor([medians[lib] / count], dtype=torch.float64)
-                tdist.all_reduce(seconds, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
-                times[lib] = seconds.item()
+            times = slowest_call({"shoal": _op(dist, name, nbytes, world), "gloo": _op(tdist, name, nbytes, world)},
+                                 nbytes, repeats, dist.barrier)
             rows.append({"collective": name, "size": label, "nbytes": nbytes, **times})
     hosts = dist.default_group().hosts
     tdist.destroy_process_group()
