@@ -8,8 +8,8 @@ The hosts are network namespaces joined by a veth pair (tests/hosts.py), the lin
 on both ends; needs root, and says why and stops where it cannot build them. Ranks of one host share
 memory (SHOAL_HOST_ID names their host); gloo talks over the veth (GLOO_SOCKET_IFNAME). Shoal and gloo
 run in the same processes, in turn. A row's "of link" is the time the bytes that must cross the link
-take at its rate (for h hosts, an all-reduce of S bytes sends 2(h-1)/h S each way, an all-gather or
-reduce-scatter (h-1)/h S, a broadcast S), divided by the measured time.
+take at its rate (an all-reduce or broadcast of S bytes sends S each way, an all-gather S/2 of its output,
+a reduce-scatter S/2 of its input), divided by the measured time.
 """
 
 from __future__ import annotations
@@ -19,18 +19,20 @@ import json
 import subprocess
 import sys
 import tempfile
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
 from benchmarks._steps import slowest_call
 from tests.hosts import TwoHosts, namespaces_missing
+from tests.processes import reaped
 
 SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 RATES = {"1gbit": 1e9, "10gbit": 10e9, "unlimited": None}  # bits per second (tc's gbit is 10^9)
-_BYTES_ACROSS = {"all_reduce": lambda h: 2 * (h - 1) / h, "all_gather": lambda h: (h - 1) / h,
-                 "reduce_scatter": lambda h: (h - 1) / h, "broadcast": lambda h: 1.0}
+# Of S bytes, what must cross the link each way between two hosts (2(h-1)/h S for an all-reduce of h hosts).
+_SHARE_ACROSS = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0}
 PORT = 29500  # each host is a namespace of its own: nothing else holds it there
 
 
@@ -90,34 +92,27 @@ def _run(hosts: TwoHosts, per_host: int, collectives: list[str], sizes: list[str
     world = 2 * per_host
     with tempfile.TemporaryDirectory(prefix="shoal-bench-hosts-") as workdir:
         out = str(Path(workdir) / "result.json")
-        logs, procs = [], []
-        try:
+        procs: list[subprocess.Popen] = []
+        with ExitStack() as logs, reaped(procs):
             for rank in range(world):
                 host = rank // per_host
                 env = {"SHOAL_SECRET": "bench-hosts", "SHOAL_HOST_ID": f"host{host}",
                        "GLOO_SOCKET_IFNAME": hosts.devices[host], "PYTHONPATH": str(Path(__file__).parents[1])}
-                logs.append(open(Path(workdir) / f"stderr{rank}", "wb"))  # closed below
                 argv = [__file__, "--worker", str(rank), str(world), hosts.addresses[0], ",".join(collectives),
                         ",".join(sizes), str(repeats), out]
-                procs.append(hosts.start(host, argv, env, logs[-1]))
+                stderr = logs.enter_context(open(Path(workdir) / f"stderr{rank}", "wb"))
+                procs.append(hosts.start(host, argv, env, stderr))
             for rank, proc in enumerate(procs):
                 if proc.wait(timeout=1800) != 0:
                     raise SystemExit(f"rank {rank} failed:\n{(Path(workdir) / f'stderr{rank}').read_text()[-3000:]}")
-            return json.loads(Path(out).read_text())
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            for log in logs:
-                log.close()
+        return json.loads(Path(out).read_text())
 
 
 def _rows(per_host: int, rate_label: str, result: dict) -> list[list[str]]:
     rate = RATES[rate_label]
     table = []
     for row in result["rows"]:
-        limit = None if rate is None else _BYTES_ACROSS[row["collective"]](2) * row["nbytes"] * 8 / rate
+        limit = None if rate is None else _SHARE_ACROSS[row["collective"]] * row["nbytes"] * 8 / rate
         share = "-" if limit is None else f"{limit / row['shoal']:.0%}"
         gloo_share = "-" if limit is None else f"{limit / row['gloo']:.0%}"
         table.append([f"2 x {per_host}", rate_label, row["collective"], row["size"], f"{row['shoal'] * 1e3:.1f}",
