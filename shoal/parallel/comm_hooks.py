@@ -8,7 +8,6 @@ built-in hooks take the process group there (None: DDP's own group).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -16,13 +15,36 @@ from shoal.comm.algorithms.reduce_op import ReduceOp
 from shoal.comm.api import all_reduce, get_world_size
 from shoal.comm.backends.group import ProcessGroup
 from shoal.comm.backends.work import Work
+from shoal.parallel.buckets import Bucket
 
 
-@dataclass
 class GradBucket:
-    index: int
-    buffer: torch.Tensor  # the bucket's gradients, flat; reduce it in place or return a new tensor
-    group: ProcessGroup  # the DDP's group, for hooks whose state names none
+    """One bucket's gradients as a hook sees them, read through torch's GradBucket methods, so that a hook
+    written for torch's DDP reads it unchanged. `group` (shoal's own) is the DDP's process group, for hooks
+    whose state names none."""
+
+    def __init__(self, bucket: Bucket, buffer: torch.Tensor, group: ProcessGroup, *, last: bool) -> None:
+        self._bucket, self._buffer, self._last = bucket, buffer, last
+        self.group = group
+
+    def index(self) -> int:
+        """The bucket's place in the order every rank reduces in: 0 first."""
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        """The gradients, flat: reduce it in place or answer a new tensor."""
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Each parameter's slice of `buffer()`, shaped as the parameter: writing one writes the buffer."""
+        return self._bucket.split(self._buffer)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+    def is_last(self) -> bool:
+        """Whether this is the last bucket of the backward pass (its highest index)."""
+        return self._last
 
 
 class Pending:
@@ -39,7 +61,7 @@ class Pending:
 def allreduce_hook(state: ProcessGroup | None, bucket: GradBucket) -> Pending:
     """The default: average the bucket in place with one all-reduce."""
     group = state or bucket.group
-    return Pending(group.all_reduce(bucket.buffer, ReduceOp.AVG), lambda: bucket.buffer)
+    return Pending(group.all_reduce(bucket.buffer(), ReduceOp.AVG), bucket.buffer)
 
 
 def _divide_then_sum(tensor: torch.Tensor, group: ProcessGroup, *, synchronize_device: bool = False) -> Work:
@@ -61,9 +83,9 @@ def _compressed(dtype: torch.dtype) -> Callable[[ProcessGroup | None, GradBucket
     def hook(state: ProcessGroup | None, bucket: GradBucket) -> Pending:
         # Cast, then divide in `dtype`, as torch's compress hooks do: the same rounding, so the same sums (and
         # a gradient beyond float16's range overflows in the cast, in torch's as here).
-        packed = bucket.buffer.to(dtype)
+        packed = bucket.buffer().to(dtype)
         work = _divide_then_sum(packed, state or bucket.group)
-        return Pending(work, lambda: bucket.buffer.copy_(packed))
+        return Pending(work, lambda: bucket.buffer().copy_(packed))
     return hook
 
 

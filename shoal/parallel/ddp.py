@@ -259,7 +259,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 view.zero_()
             elif grad.data_ptr() != view.data_ptr():  # already there when .grad is the bucket's view
                 view.copy_(grad)
-        pending = self._hook(self._hook_state, GradBucket(bucket.index, bucket.buffer, self.process_group))
+        pending = self._hook(self._hook_state, GradBucket(bucket, bucket.buffer, self.process_group,
+                                                          last=bucket.index == len(self.buckets) - 1))
 
         def packed_results() -> list[torch.Tensor]:
             flat = pending.wait()

@@ -79,7 +79,8 @@ def _shadow_reduction(ddp: DistributedDataParallel) -> None:
     pending = []
     for bucket in ddp.buckets:
         zeros = torch.zeros(bucket.offsets[-1], dtype=bucket.params[0].dtype, device=bucket.params[0].device)
-        pending.append(ddp._hook(ddp._hook_state, GradBucket(bucket.index, zeros, ddp.process_group)))
+        pending.append(ddp._hook(ddp._hook_state, GradBucket(bucket, zeros, ddp.process_group,
+                                                              last=bucket.index == len(ddp.buckets) - 1)))
     if ddp.find_unused_parameters:
         flags = torch.zeros(sum(len(b.params) for b in ddp.buckets), dtype=torch.int32,
                             device=ddp.process_group.device)

@@ -22,15 +22,10 @@ logger = logging.getLogger(__name__)
 class PostLocalSGDState:
     """Which group averages gradients: `process_group` (None: the default group) until `start_localSGD_iter`
     backward passes have synchronized, then `subgroup` (None: one per host's GPUs, from `new_subgroups()`),
-    or nobody with `post_local_gradient_allreduce=False`.
+    or nobody with `post_local_gradient_allreduce=False`. `iter` counts synchronized backward passes, at
+    each one's last bucket, up to `start_localSGD_iter`."""
 
-    `iter` counts synchronized backward passes up to `start_localSGD_iter`. torch's counts a backward at its
-    last bucket; shoal's buckets do not say which is last, so this one counts it when its first bucket (index
-    0, always first) arrives, as the backward before it being over. Every bucket takes the group torch's
-    would; only `iter` read between a backward and the next is one behind torch's during warm-up."""
-
-    __slots__ = ("_backwards", "iter", "post_local_gradient_allreduce", "process_group", "start_localSGD_iter",
-                 "subgroup")
+    __slots__ = ("iter", "post_local_gradient_allreduce", "process_group", "start_localSGD_iter", "subgroup")
 
     def __init__(self, process_group: ProcessGroup | None, subgroup: ProcessGroup | None, start_localSGD_iter: int,
                  post_local_gradient_allreduce: bool = True) -> None:
@@ -40,31 +35,27 @@ class PostLocalSGDState:
         self.start_localSGD_iter = start_localSGD_iter
         self.post_local_gradient_allreduce = post_local_gradient_allreduce
         self.iter = 0
-        self._backwards = 0  # synchronized backward passes begun
 
     def maybe_increase_iter(self, bucket: GradBucket) -> None:
-        """Count a backward pass when the first bucket of the next one arrives (see the class docstring)."""
-        if bucket.index == 0:
-            self._backwards += 1
-            if self._backwards > 1:
-                self.iter += 1
-                if self.iter == self.start_localSGD_iter:
-                    logger.info("Start to apply local SGD after %s iterations.", self.iter)
+        """Count a backward pass at its last bucket."""
+        if bucket.is_last():
+            self.iter += 1
+            if self.iter == self.start_localSGD_iter:
+                logger.info("Start to apply local SGD after %s iterations.", self.iter)
 
 
 def _average(process_group: ProcessGroup, bucket: GradBucket) -> Pending:
-    return Pending(_divide_then_sum(bucket.buffer, process_group), lambda: bucket.buffer)
+    return Pending(_divide_then_sum(bucket.buffer(), process_group), bucket.buffer)
 
 
 def post_localSGD_hook(state: PostLocalSGDState, bucket: GradBucket) -> Pending:
     """Average the bucket over the whole group during warm-up, then within the subgroup (or not at all)."""
     if state.iter < state.start_localSGD_iter:
         state.maybe_increase_iter(bucket)
-    if state.iter < state.start_localSGD_iter:
         return _average(state.process_group if state.process_group is not None else group.WORLD, bucket)
     if not state.post_local_gradient_allreduce:
         # Nothing to communicate: a Work of no parts, complete at once; the bucket keeps the local gradients.
-        return Pending(AllOf("post_localSGD_hook: local gradients", [], DEFAULT_TIMEOUT), lambda: bucket.buffer)
+        return Pending(AllOf("post_localSGD_hook: local gradients", [], DEFAULT_TIMEOUT), bucket.buffer)
     if state.subgroup is None:
         state.subgroup, _ = new_subgroups()
     return _average(state.subgroup, bucket)
