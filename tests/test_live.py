@@ -136,6 +136,18 @@ def test_a_lost_worker_started_again_joins_between_steps_with_the_others_state()
     assert finals["[rank0]"].startswith("samples 183 missing 0 twice 0 ")  # rank 0 was there from the start
 
 
+def test_powersgd_goes_on_through_a_loss_and_a_joiner_projects_as_the_others_do() -> None:
+    """Under PowerSGD, the joiner takes rank 0's step count, random generator and factors with the rest of
+    the state: the replicas stay equal (a joiner that began its own count would average whole gradients
+    while the others send factors)."""
+    result = _launch_live("--kill", "1:4", "--epochs", "3", "--await-joiner", "--powersgd", restarts=1)
+    assert result.returncode == 0, result.stderr
+    reports, finals = states(result.stdout)
+    assert_alike(reports, finals)
+    assert sorted(finals) == ["[rank0]", "[rank1]", "[rank2]"]
+    assert finals["[rank0]"].startswith("samples 183 missing 0 twice 0 ")
+
+
 def test_with_min_workers_the_survivors_wait_for_each_lost_worker_started_again() -> None:
     """Two kills, each followed by a worker that the launcher starts in the lost one's place; with
     min_workers 3 the survivors wait for it, so it joins at the step where the loss happened."""

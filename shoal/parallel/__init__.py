@@ -8,6 +8,7 @@ from shoal.parallel.ddp import DistributedDataParallel
 from shoal.parallel.join import Join, Joinable, JoinHook
 from shoal.parallel.model_averaging import ModelAverager, PeriodicModelAverager
 from shoal.parallel.post_local_sgd_hook import PostLocalSGDState, post_localSGD_hook
+from shoal.parallel.powersgd_hook import PowerSGDState, powerSGD_hook
 
 __all__ = [
     "DataParallel",
@@ -19,8 +20,10 @@ __all__ = [
     "ModelAverager",
     "PeriodicModelAverager",
     "PostLocalSGDState",
+    "PowerSGDState",
     "allreduce_hook",
     "bf16_compress_hook",
     "fp16_compress_hook",
     "post_localSGD_hook",
+    "powerSGD_hook",
 ]

@@ -22,6 +22,7 @@ from torch import nn
 
 from shoal.data import ElasticSampler
 from shoal.elastic import LiveTraining
+from shoal.parallel import PowerSGDState, powerSGD_hook
 from tests.waiting import wait_until
 
 parser = argparse.ArgumentParser()
@@ -33,6 +34,7 @@ parser.add_argument("--await-joiner", action="store_true",
                     help="short-handed members pause between steps until a worker asks to join, until one has")
 parser.add_argument("--full-size", type=int, default=None,
                     help="with --await-joiner: the workers of a whole generation (WORLD_SIZE by default)")
+parser.add_argument("--powersgd", action="store_true", help="DDP sends the gradients compressed by PowerSGD")
 args = parser.parse_args()
 kills = {tuple(map(int, k.split(":"))) for k in args.kill}
 launcher_kills = {tuple(map(int, k.split(":"))) for k in args.kill_launcher}
@@ -47,7 +49,12 @@ model = nn.Linear(6, 2).double()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 sampler = ElasticSampler(data, 2, rank=rank, world_size=int(os.environ["WORLD_SIZE"]), seed=1)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)  # stepped once per committed step
-live = LiveTraining(model, optimizer, sampler, extra={"scheduler": scheduler}, min_workers=args.min_workers)
+extra = {"scheduler": scheduler}
+if args.powersgd:  # the 2 x 6 weight as two factors (not worth it at the default min_compression_rate of 2)
+    extra["powersgd"] = PowerSGDState(None, start_powerSGD_iter=2, min_compression_rate=1)
+live = LiveTraining(model, optimizer, sampler, extra=extra, min_workers=args.min_workers)
+if args.powersgd:
+    live.model.register_comm_hook(extra["powersgd"], powerSGD_hook)
 
 
 def digest() -> str:

@@ -1,0 +1,172 @@
+"""PowerSGD against torch's: shoal's hook on a "shoal" group and torch's on a gloo group, given the same buckets
+of gradients step after step on real ranks, answer the same averages (their memories, error feedback and
+warm-started Qs, evolving alike); DDP trains with it as DDP with torch's hook does; what it keeps between
+steps travels to a new generation's members through its state dict. Bad arguments raise as torch's do."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shoal.parallel.buckets import Bucket
+from shoal.parallel.comm_hooks import GradBucket
+from tests.ranks import run_ranks
+
+STEPS, START = 6, 2
+SHAPES = [(24, 16), (24,), (16, 16), (16, 16), (8, 16), (8,), (3, 1)]  # two of one shape, vectors, one too thin
+
+
+def _buckets(rank: int) -> list[list[torch.Tensor]]:
+    """Per step, two buckets of gradients: each rank its own, so that averaging them matters."""
+    gen = torch.Generator().manual_seed(10 + rank)
+    return [[torch.randn(s, generator=gen) for s in SHAPES[:4]] + [torch.randn(s, generator=gen) for s in SHAPES[4:]]
+            for _ in range(STEPS)]
+
+
+def _averages(state: Any, hook: Any, group: Any, steps: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Run each step's two buckets through `hook` in DDP's order (bucket 1 last) and keep the answers. Each is
+    awaited before the next begins: torch's hook starts its later all-reduces from its futures' callbacks,
+    which could otherwise pair one rank's bucket 0 with another's bucket 1 on gloo."""
+    layout = [Bucket(0, [torch.empty(s) for s in SHAPES[:4]], list("abcd")),
+              Bucket(1, [torch.empty(s) for s in SHAPES[4:]], list("efg"))]
+    out = []
+    for grads in steps:
+        for bucket in layout:
+            flat = torch.cat([g.reshape(-1) for g in (grads[:4] if bucket.index == 0 else grads[4:])])
+            out.append(hook(state, GradBucket(bucket, flat, group, last=bucket.index == 1)).wait().clone())
+    return out
+
+
+@contextmanager
+def _gloo(rank: int, world: int, port: int) -> Iterator[None]:
+    """torch's default group on gloo for the block; every rank past its last callback before the group goes:
+    torch's hook keeps the group in its futures' callbacks, and a gloo worker that drops the last reference
+    destroys the group on that very thread, which cannot join itself (std::system_error, abort)."""
+    import torch.distributed as torch_dist
+
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield
+        torch_dist.barrier()
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def _hooks(rank: int, world: int, torch_port: int, options: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    from shoal.comm.api import group as shoal_group
+    from shoal.parallel import PowerSGDState, powerSGD_hook
+
+    steps, out = _buckets(rank), {}
+    state = PowerSGDState(process_group=None, start_powerSGD_iter=START, **options)
+    out["shoal"] = _averages(state, powerSGD_hook, shoal_group.WORLD, steps)
+    out["shoal stats"], out["shoal iter"] = state.compression_stats(), state.iter
+    with _gloo(rank, world, torch_port):
+        state = torch_powersgd.PowerSGDState(process_group=None, start_powerSGD_iter=START, **options)
+        out["torch"] = _averages(state, torch_powersgd.powerSGD_hook, None, steps)  # its futures' wait() too
+        out["torch stats"], out["torch iter"] = state.compression_stats(), state.iter
+    return out
+
+
+@pytest.mark.parametrize(("world", "options"), [
+    (2, {"matrix_approximation_rank": 1}),
+    (2, {"matrix_approximation_rank": 4, "batch_tensors_with_same_shape": True}),  # QR, and a stacked batch
+    (3, {"matrix_approximation_rank": 2, "warm_start": False, "orthogonalization_epsilon": 1e-8}),
+    (2, {"matrix_approximation_rank": 2, "use_error_feedback": False, "min_compression_rate": 1}),
+])
+def test_powersgd_averages_each_bucket_as_torch_s_hook_does(world: int, options: dict[str, Any]) -> None:
+    from shoal.ports import free_port
+
+    out = run_ranks(_hooks, world, free_port(), options, timeout=90)
+    for rank in range(world):
+        assert out[rank]["shoal iter"] == out[rank]["torch iter"] == STEPS
+        assert out[rank]["shoal stats"] == out[rank]["torch stats"]
+        assert out[rank]["shoal stats"][0] > 1  # it did compress
+        for i, (mine, theirs) in enumerate(zip(out[rank]["shoal"], out[rank]["torch"], strict=True)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, r=rank, i=i: f"rank {r}, step {i // 2} bucket {i % 2}: {m}")
+        # Every replica gets the same average; once compressed, it is not the exact mean.
+        torch.testing.assert_close(out[rank]["shoal"], out[0]["shoal"], rtol=0, atol=0)
+    exact = [sum(_buckets(r)[START][b] for r in range(world)) / world for b in range(7)]
+    assert not torch.allclose(out[0]["shoal"][2 * START], torch.cat([e.reshape(-1) for e in exact[:4]]), atol=1e-3)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _train_ddp(rank: int, world: int, torch_port: int) -> dict[str, list[torch.Tensor]]:
+    """The same replicas and batches trained by shoal's DDP with its hook, then torch's DDP with torch's."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    from shoal.parallel import DistributedDataParallel, PowerSGDState, powerSGD_hook
+
+    gen = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)) for _ in range(8)]
+
+    def train(ddp_cls: type, state: Any, hook: Any) -> list[torch.Tensor]:
+        net = _Net()
+        model = ddp_cls(net)
+        model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in net.parameters()]
+
+    out = {"shoal": train(DistributedDataParallel, PowerSGDState(None, 1, start_powerSGD_iter=3), powerSGD_hook)}
+    with _gloo(rank, world, torch_port):
+        out["torch"] = train(nn.parallel.DistributedDataParallel, torch_powersgd.PowerSGDState(
+            None, 1, start_powerSGD_iter=3), torch_powersgd.powerSGD_hook)
+    return out
+
+
+def test_ddp_with_powersgd_trains_the_replicas_as_torch_s_ddp_does() -> None:
+    from shoal.ports import free_port
+
+    out = run_ranks(_train_ddp, 2, free_port(), timeout=90)
+    for rank in range(2):
+        for mine, theirs in zip(out[rank]["shoal"], out[rank]["torch"], strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        for mine, other in zip(out[rank]["shoal"], out[0]["shoal"], strict=True):
+            assert torch.equal(mine, other)  # the replicas stay equal
+
+
+def test_the_state_dict_carries_what_replicas_share_and_not_the_error() -> None:
+    from shoal.parallel import PowerSGDState
+
+    state = PowerSGDState(None, start_powerSGD_iter=2, random_seed=7)
+    state.iter, state.error_dict[0] = 40, torch.ones(3)
+    state.p_memory_dict[0], state.q_memory_dict[0] = torch.randn(5), torch.randn(4)
+    state.rng.randint(10)
+    joiner = PowerSGDState(None, start_powerSGD_iter=2)
+    joiner.load_state_dict(state.state_dict())
+    assert joiner.iter == 40 and joiner.error_dict == {}
+    assert torch.equal(joiner.q_memory_dict[0], state.q_memory_dict[0])
+    assert torch.equal(joiner.p_memory_dict[0], state.p_memory_dict[0])
+    assert joiner.q_memory_dict[0] is not state.q_memory_dict[0]
+    assert joiner.rng.randint(1_000_000_000) == state.rng.randint(1_000_000_000)  # the same projections next
+
+
+def test_bad_arguments_raise_as_torch_s_do() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+    from shoal.parallel import PowerSGDState
+
+    for cls in (PowerSGDState, torch_powersgd.PowerSGDState):
+        with pytest.raises(ValueError, match="start_powerSGD_iter"):
+            cls(None, start_powerSGD_iter=1)
+    PowerSGDState(None, start_powerSGD_iter=0, use_error_feedback=False, warm_start=False)  # allowed, as in torch
