@@ -30,7 +30,7 @@ from tests.processes import reaped
 
 SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-RATES = {"1gbit": 1e9, "10gbit": 10e9, "unlimited": None}  # bits per second (tc's gbit is 10^9)
+RATES = {"100mbit": 1e8, "1gbit": 1e9, "10gbit": 10e9, "unlimited": None}  # bits per second (tc's gbit is 10^9)
 # Of S bytes, what must cross the link each way between two hosts (2(h-1)/h S for an all-reduce of h hosts).
 _SHARE_ACROSS = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0}
 PORT = 29500  # each host is a namespace of its own: nothing else holds it there
@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, address: str, collectives: list[str], sizes: 
         Path(out).write_text(json.dumps({"rows": rows, "hosts": hosts}))
 
 
-def _shape(hosts: TwoHosts, rate: float | None) -> None:
+def shape_link(hosts: TwoHosts, rate: float | None) -> None:
     """Give both ends of the cable `rate` bits per second, or take any limit away."""
     for ns, dev in zip(hosts.namespaces, hosts.devices, strict=True):
         subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=10)
@@ -89,6 +89,12 @@ def _shape(hosts: TwoHosts, rate: float | None) -> None:
 
 def _run(hosts: TwoHosts, per_host: int, collectives: list[str], sizes: list[str], repeats: int) -> dict:
     """Run 2 x `per_host` ranks, rank r on host r // per_host; rank 0's results."""
+    return run_across(hosts, per_host, __file__, [",".join(collectives), ",".join(sizes), str(repeats)])
+
+
+def run_across(hosts: TwoHosts, per_host: int, script: str, args: list[str]) -> dict:
+    """Run `script --worker RANK WORLD ADDRESS *args OUT` as 2 x `per_host` ranks, rank r on host r // per_host,
+    and return the JSON that rank 0 writes to OUT."""
     world = 2 * per_host
     with tempfile.TemporaryDirectory(prefix="shoal-bench-hosts-") as workdir:
         out = str(Path(workdir) / "result.json")
@@ -98,13 +104,16 @@ def _run(hosts: TwoHosts, per_host: int, collectives: list[str], sizes: list[str
                 host = rank // per_host
                 env = {"SHOAL_SECRET": "bench-hosts", "SHOAL_HOST_ID": f"host{host}",
                        "GLOO_SOCKET_IFNAME": hosts.devices[host], "PYTHONPATH": str(Path(__file__).parents[1])}
-                argv = [__file__, "--worker", str(rank), str(world), hosts.addresses[0], ",".join(collectives),
-                        ",".join(sizes), str(repeats), out]
+                argv = [script, "--worker", str(rank), str(world), hosts.addresses[0], *args, out]
                 stderr = logs.enter_context(open(Path(workdir) / f"stderr{rank}", "wb"))
                 procs.append(hosts.start(host, argv, env, stderr))
             for rank, proc in enumerate(procs):
                 if proc.wait(timeout=1800) != 0:
-                    raise SystemExit(f"rank {rank} failed:\n{(Path(workdir) / f'stderr{rank}').read_text()[-3000:]}")
+                    for other in procs:  # the first to fail may be another: keep every rank's last words
+                        other.wait(timeout=60)
+                    tails = "\n".join(f"rank {r}:\n{(Path(workdir) / f'stderr{r}').read_text()[-1500:]}"
+                                      for r in range(world))
+                    raise SystemExit(f"rank {rank} failed\n{tails}")
         return json.loads(Path(out).read_text())
 
 
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--ranks-per-host", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--links", nargs="+", choices=list(RATES), default=list(RATES))
+    parser.add_argument("--links", nargs="+", choices=list(RATES), default=["1gbit", "10gbit", "unlimited"])
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -147,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     hosts = TwoHosts.build()
     try:
         for rate_label in args.links:
-            _shape(hosts, RATES[rate_label])
+            shape_link(hosts, RATES[rate_label])
             for per_host in args.ranks_per_host:
                 result = _run(hosts, per_host, collectives, sizes, repeats)
                 assert len(result["hosts"]) == 2, f"the ranks did not see two hosts: {result['hosts']}"

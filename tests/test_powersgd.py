@@ -5,6 +5,7 @@ steps travels to a new generation's members through its state dict. Bad argument
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -128,6 +129,9 @@ def _train_ddp(rank: int, world: int, torch_port: int) -> dict[str, list[torch.T
         return [p.detach().clone() for p in net.parameters()]
 
     out = {"shoal": train(DistributedDataParallel, PowerSGDState(None, 1, start_powerSGD_iter=3), powerSGD_hook)}
+    # A bucket per layer, all in flight before the first is awaited; without warm start each drops its own Qs.
+    out["bucket per layer"] = train(functools.partial(DistributedDataParallel, bucket_cap_mb=0.004), PowerSGDState(
+        None, 2, start_powerSGD_iter=3, warm_start=False), powerSGD_hook)
     with _gloo(rank, world, torch_port):
         out["torch"] = train(nn.parallel.DistributedDataParallel, torch_powersgd.PowerSGDState(
             None, 1, start_powerSGD_iter=3), torch_powersgd.powerSGD_hook)
@@ -141,8 +145,9 @@ def test_ddp_with_powersgd_trains_the_replicas_as_torch_s_ddp_does() -> None:
     for rank in range(2):
         for mine, theirs in zip(out[rank]["shoal"], out[rank]["torch"], strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
-        for mine, other in zip(out[rank]["shoal"], out[0]["shoal"], strict=True):
-            assert torch.equal(mine, other)  # the replicas stay equal
+        for key in ("shoal", "bucket per layer"):
+            for mine, other in zip(out[rank][key], out[0][key], strict=True):
+                assert torch.equal(mine, other)  # the replicas stay equal
 
 
 def test_the_state_dict_carries_what_replicas_share_and_not_the_error() -> None:

@@ -128,8 +128,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
     ps, qs = _factors(state, index, stacks, flat)
     for matrix, q, p in zip(stacks, qs, ps, strict=True):
         torch.bmm(matrix, q, out=p)
+    p_memory, q_memory = state.p_memory_dict[index], state.q_memory_dict[index]
     # The uncompressed tensors and P in one all-reduce: a sum for both.
-    packed = torch.cat([*(t.reshape(-1) for t in plain), state.p_memory_dict[index]])
+    packed = torch.cat([*(t.reshape(-1) for t in plain), p_memory])
     work = group.all_reduce(packed, ReduceOp.SUM)
 
     def decompress() -> torch.Tensor:
@@ -137,13 +138,13 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
         for tensor in plain:
             tensor.copy_(packed[start:start + tensor.numel()].view_as(tensor)).div_(size)
             start += tensor.numel()
-        state.p_memory_dict[index].copy_(packed[start:])
+        p_memory.copy_(packed[start:])
         for p in ps:
             _orthogonalize(p, state.orthogonalization_epsilon)
         for matrix, p, q in zip(stacks, ps, qs, strict=True):
             torch.bmm(matrix.transpose(1, 2), p, out=q)
-        group.all_reduce(state.q_memory_dict[index], ReduceOp.SUM).wait()
-        state.q_memory_dict[index].div_(size)
+        group.all_reduce(q_memory, ReduceOp.SUM).wait()
+        q_memory.div_(size)
         for p, q, matrix in zip(ps, qs, stacks, strict=True):
             torch.bmm(p, q.transpose(1, 2), out=matrix)
         if state.batch_tensors_with_same_shape:  # stacks of several are copies: write them back
@@ -152,9 +153,8 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
                     original.copy_(stack[i])
         if sent is not None:
             state.error_dict[index] = sent - flat
-        if not state.warm_start:
-            state.p_memory_dict.clear()
-            state.q_memory_dict.clear()
+        if not state.warm_start:  # this bucket's only: later buckets may be in flight with theirs
+            del state.p_memory_dict[index], state.q_memory_dict[index]
         state.maybe_increase_iter(bucket)
         return flat
     return Pending(work, decompress)
