@@ -143,8 +143,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
             _orthogonalize(p, state.orthogonalization_epsilon)
         for matrix, p, q in zip(stacks, ps, qs, strict=True):
             torch.bmm(matrix.transpose(1, 2), p, out=q)
-        group.all_reduce(q_memory, ReduceOp.SUM).wait()
-        q_memory.div_(size)
+        if q_memory.numel():  # a bucket of vectors only has no factors (every replica's buckets are alike)
+            group.all_reduce(q_memory, ReduceOp.SUM).wait()
+            q_memory.div_(size)
         for p, q, matrix in zip(ps, qs, stacks, strict=True):
             torch.bmm(p, q.transpose(1, 2), out=matrix)
         if state.batch_tensors_with_same_shape:  # stacks of several are copies: write them back
@@ -199,6 +200,9 @@ def _factors(state: PowerSGDState, index: int, stacks: list[torch.Tensor], flat:
     """Views of the bucket's P and Q memory, one (batch, rows or columns, rank) per stack. The Qs are last
     step's, orthogonalized (warm start), or fresh random ones, the same on every replica."""
     shapes = [(b, n, m, min(n, m, state.matrix_approximation_rank)) for b, n, m in (s.shape for s in stacks)]
+    for memory in (state.p_memory_dict, state.q_memory_dict):
+        if index in memory and memory[index].device != flat.device:  # handed over on the CPU (LiveTraining)
+            memory[index] = memory[index].to(flat.device)
     fresh = not state.warm_start or index not in state.p_memory_dict
     if fresh:
         state.p_memory_dict[index] = flat.new_empty(sum(b * n * r for b, n, _, r in shapes))

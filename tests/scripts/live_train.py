@@ -61,6 +61,11 @@ def digest() -> str:
     momenta = [optimizer.state[p]["momentum_buffer"] for p in model.parameters() if p in optimizer.state]
     tensors = [*model.parameters(), *momenta]
     schedule = f"{scheduler.last_epoch} {optimizer.param_groups[0]['lr']!r}".encode()
+    if args.powersgd:  # what the replicas must hold alike to project alike: the factors and the generator
+        state = extra["powersgd"]
+        tensors += [*state.p_memory_dict.values(), *state.q_memory_dict.values()]
+        _, keys, position, *_ = state.rng.get_state()
+        schedule += keys.tobytes() + f" {position} {state.iter}".encode()
     return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors) + schedule).hexdigest()[:16]
 
 
