@@ -30,7 +30,8 @@ from tests.processes import reaped
 
 SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-RATES = {"100mbit": 1e8, "1gbit": 1e9, "10gbit": 10e9, "unlimited": None}  # bits per second (tc's gbit is 10^9)
+# Bits per second (tc's gbit is 10^9).
+RATES = {"10mbit": 1e7, "100mbit": 1e8, "1gbit": 1e9, "10gbit": 10e9, "unlimited": None}
 # Of S bytes, what must cross the link each way between two hosts (2(h-1)/h S for an all-reduce of h hosts).
 _SHARE_ACROSS = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "broadcast": 1.0}
 PORT = 29500  # each host is a namespace of its own: nothing else holds it there

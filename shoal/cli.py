@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("allreduce", "autograd", "ddp", "dp", "faults", "hooks", "hosts", "pipeline", "recovery", "rpc",
-              "torch-backend")
+BENCHMARKS = ("accuracy", "allreduce", "autograd", "ddp", "dp", "faults", "hooks", "hosts", "pipeline", "recovery",
+              "rpc", "torch-backend")
 # benchmarks whose file in benchmarks/ is not NAME.py
 _MODULES = {"autograd": "dist_autograd", "dp": "dp_vs_ddp", "torch-backend": "torch_backend"}
 
