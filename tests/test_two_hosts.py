@@ -1,6 +1,6 @@
 """Four ranks on two hosts (network namespaces joined by a veth pair, SHOAL_HOST_ID naming each
-namespace's host): ranks of a host share memory, and the hierarchical all-reduce crosses the cable
-with each host's share once, where a flat ring of four would cross it one and a half times.
+namespace's host): ranks of a host share memory, and the hierarchical all-reduce and all-gather cross
+the cable with each host's share once, where a flat ring of four would cross it one and a half times.
 
 Needs root and `ip netns` (the `two_hosts` fixture); skips elsewhere."""
 
@@ -14,12 +14,12 @@ from pathlib import Path
 from tests.hosts import TwoHosts
 from tests.processes import reaped
 
-SCRIPT = Path(__file__).parent / "scripts" / "all_reduce_across_hosts.py"
+SCRIPT = Path(__file__).parent / "scripts" / "collectives_across_hosts.py"
 STORE_PORT = 29500  # each host is a namespace of its own: no other process can hold this port there
 NUMEL = 4 << 20  # 16 MiB of float32
 
 
-def test_the_hierarchical_all_reduce_sends_each_hosts_share_across_the_cable_once(
+def test_hierarchical_collectives_send_each_hosts_share_across_the_cable_once(
         two_hosts: TwoHosts, tmp_path: Path) -> None:
     procs: list[subprocess.Popen] = []
     with ExitStack() as logs, reaped(procs):
@@ -34,8 +34,11 @@ def test_the_hierarchical_all_reduce_sends_each_hosts_share_across_the_cable_onc
     for rank, p in enumerate(procs):
         assert p.returncode == 0, (rank, p.returncode, (tmp_path / f"stderr{rank}").read_text()[-3000:])
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(4)]
-    assert all(r["right"] and r["hosts"] == [[0, 1], [2, 3]] for r in results), results
+    assert all(all(r["right"].values()) and r["hosts"] == [[0, 1], [2, 3]] for r in results), results
     nbytes = NUMEL * 4
-    for leader in (0, 2):  # each host's leader reads its end of the cable
-        sent = results[leader]["sent"]
-        assert nbytes <= sent <= 1.2 * nbytes, f"host {leader // 2} sent {sent / nbytes:.2f}x the tensor across"
+    # Each host's leader reads its end of the cable. An all-reduce must send the other host the whole tensor
+    # (its host's sums), an all-gather its host's half of the output: a flat ring sends 1.5x those.
+    for collective, share in (("all_reduce", 1.0), ("all_gather", 0.5)):
+        for leader in (0, 2):
+            sent = results[leader]["sent"][collective] / (share * nbytes)
+            assert 1.0 <= sent <= 1.2, f"{collective}: host {leader // 2} sent {sent:.2f}x its share across"

@@ -1,11 +1,11 @@
-"""The all-reduce of a group whose ranks share some hosts and not others: each host reduces in its arena
-(intrahost.py), the first rank of each host (its leader) all-reduces with the other hosts' leaders over
-the ring, and each host broadcasts the result in its arena; only the leaders' bytes cross the network.
+"""The all-reduce and all-gather of a group whose ranks share some hosts and not others; only the first rank
+of each host (its leader) talks to other hosts, and each host's share crosses the network once.
 
-The tensor goes in pieces, so that while the network carries one piece the hosts reduce the next and
-broadcast the one before: where the network is the limit, the operation takes about as long as its
-bytes on the network alone, where one step after another it would take that plus two passes over the
-whole tensor in memory.
+All-reduce: each host reduces in its arena (intrahost.py), the leaders all-reduce over the ring, and each
+host broadcasts the result in its arena. The tensor goes in pieces, so that while the network carries
+one piece the hosts reduce the next and broadcast the one before: where the network is the limit, the
+operation takes about as long as its bytes on the network alone, where one step after another it would
+take that plus two passes over the whole tensor in memory.
 """
 
 from __future__ import annotations
@@ -58,3 +58,27 @@ def all_reduce(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: R
                 intrahost.broadcast(arena, pieces[k - 1], 0)
     if leading:
         ch.flush()  # our last sends may still read `flat`
+
+
+def gathers(placement: Placement) -> bool:
+    """Whether `all_gather` serves this group: hosts of one size (the leaders' rings carry one block per
+    host), several ranks each (fewer, and the flat ring is as good)."""
+    return len({len(host) for host in placement.hosts}) == 1 and len(placement.hosts[0]) > 1
+
+
+def all_gather(ch: ring.Channel, placement: Placement, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
+    """All-gather: each host gathers its own ranks' blocks in its arena; the leaders then run one ring
+    all-gather per place in a host (the blocks of every host's j-th rank), and each host broadcasts the
+    other hosts' blocks in its arena. Runs in the arena's care (see `all_reduce`). Where a flat ring
+    crosses between two hosts with 3/4 of the output each way (n = 4), this crosses with half."""
+    arena, hosts, leaders = placement.arena, placement.hosts, placement.leaders
+    host = next(h for h in hosts if ch.rank in h)
+    intrahost.all_gather(arena, [outs[r] for r in host], mine)
+    if ch.rank == host[0]:
+        span = ring.gather_frames(len(leaders), mine)
+        for j, rank in enumerate(host):
+            ring.all_gather(Subchannel(ch, leaders, j * span), [outs[h[j]] for h in hosts], outs[rank])
+    for other in hosts:
+        if other is not host:
+            for rank in other:
+                intrahost.broadcast(arena, outs[rank], 0)

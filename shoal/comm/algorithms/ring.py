@@ -202,6 +202,11 @@ def frames(n: int, flat: torch.Tensor) -> int:
     return 2 * (n - 1) * _Layout(flat, split(flat.numel(), n)).chunks
 
 
+def gather_frames(n: int, mine: torch.Tensor) -> int:
+    """How many frame numbers `all_gather` of blocks like `mine` over `n` ranks uses."""
+    return (n - 1) * _Layout(mine, [0, mine.numel()]).chunks
+
+
 def broadcast(ch: Channel, flat: torch.Tensor, root: int) -> None:
     """Small tensors fan out from the root; large ones flow down the chain root, root+1, ... in chunks."""
     n, me = ch.size, ch.rank

@@ -2,8 +2,8 @@
 (intrahost.py) when they all share one host, the ring (ring.py) when no two do, and for an all-reduce in
 a group that does both, a hierarchy (hierarchy.py): each host reduces in shared memory, the first rank
 of each host runs the ring with the other hosts' first ranks, and each host broadcasts the result in
-shared memory. In such mixed groups the other collectives keep the ring, as do reduce, gather, scatter
-and all-to-all everywhere (`on_ring`).
+shared memory; an all-gather likewise where the hosts have the same number of ranks. In such mixed groups
+the other collectives keep the ring, as do reduce, gather, scatter and all-to-all everywhere (`on_ring`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def path(name: str, placement: Placement | None, nbytes: int) -> str:
         return "local"
     if placement.shared and name in _IN_SHARED_MEMORY:
         return "shared memory"
-    if name == "all_reduce" and not placement.apart:
+    if (name == "all_reduce" and not placement.apart) or (name == "all_gather" and hierarchy.gathers(placement)):
         return "hierarchical"
     if name == "reduce_scatter":  # `nbytes` is its output; the ring decides by all of its input
         nbytes *= sum(len(host) for host in placement.hosts)
@@ -90,6 +90,8 @@ def broadcast(ch: OpChannel, placement: Placement, flat: torch.Tensor, root: int
 def all_gather(ch: OpChannel, placement: Placement, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
     if placement.shared:
         _in_arena(ch, placement, lambda: intrahost.all_gather(placement.arena, outs, mine))
+    elif hierarchy.gathers(placement):
+        _in_arena(ch, placement, lambda: hierarchy.all_gather(ch, placement, outs, mine))
     else:
         on_ring(ch, placement, lambda: ring.all_gather(ch, outs, mine))
 

@@ -1,0 +1,41 @@
+"""One rank of a job on two hosts: all-reduce a large tensor, then all-gather one of the same size, check
+each result, and write to `result<rank>.json` the bytes our host's end of the cable sent during each (the
+other ranks of our host send across it only through us, its leader).
+
+Usage: collectives_across_hosts.py RANK WORLD MASTER_ADDR MASTER_PORT DEVICE NUMEL WORKDIR
+"""
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+import shoal.distributed as dist
+
+rank, world, master, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+device, numel, workdir = sys.argv[5], int(sys.argv[6]), Path(sys.argv[7])
+counter = Path(f"/sys/class/net/{device}/statistics/tx_bytes")  # this namespace's view of sysfs
+dist.init_process_group("shoal", f"tcp://{master}:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+dist.all_reduce(torch.ones(1))  # finds the hosts, which crosses the cable too
+
+
+def sent_during(collective) -> int:
+    dist.barrier()
+    before = int(counter.read_text())
+    collective()
+    dist.barrier()
+    return int(counter.read_text()) - before
+
+
+tensor = torch.full((numel,), float(rank + 1))
+reduced = sent_during(lambda: dist.all_reduce(tensor))
+blocks = [torch.empty(numel // world) for _ in range(world)]
+gathered = sent_during(lambda: dist.all_gather(blocks, torch.full((numel // world,), float(rank))))
+right = {"all_reduce": bool((tensor == world * (world + 1) / 2).all()),
+         "all_gather": all(bool((block == r).all()) for r, block in enumerate(blocks))}
+hosts = dist.default_group().hosts
+dist.destroy_process_group()
+(workdir / f"result{rank}.json").write_text(json.dumps({"sent": {"all_reduce": reduced, "all_gather": gathered},
+                                                        "right": right, "hosts": hosts}))
