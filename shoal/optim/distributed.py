@@ -44,6 +44,51 @@ class _LocalOptimizer:
                 for param in self._params:
                     param.grad = None
 
+    def state_by_name(self, names: dict[torch.Tensor, tuple[str, str]]) -> dict[str, dict[str, dict]]:
+        """A copy of each parameter's optimizer state and its group's settings, under the parameter's
+        name (module key, parameter name), which survives a move of the module to another worker."""
+        with _stepping:
+            saved = self._optimizer.state_dict()
+            by_name: dict[str, dict[str, dict]] = defaultdict(dict)
+            for group, saved_group in zip(self._optimizer.param_groups, saved["param_groups"], strict=True):
+                settings = {key: value for key, value in saved_group.items() if key != "params"}
+                for param, index in zip(group["params"], saved_group["params"], strict=True):
+                    key, name = _name_of(param, names)
+                    by_name[key][name] = {"state": _copied(saved["state"].get(index, {})), "group": settings}
+            return dict(by_name)
+
+    def load_state_by_name(self, by_name: dict[str, dict[str, dict]],
+                           names: dict[torch.Tensor, tuple[str, str]]) -> None:
+        """Put back what `state_by_name` took, into this optimizer's parameters, however they are
+        now grouped across workers; a parameter missing from `by_name` is a KeyError naming it."""
+        state, groups, index = {}, [], 0
+        for group in self._optimizer.param_groups:
+            entries = []
+            for param in group["params"]:
+                key, name = _name_of(param, names)
+                if name not in by_name.get(key, {}):
+                    raise KeyError(f"the checkpoint holds no optimizer state for parameter {name!r} of module {key!r}")
+                entries.append(by_name[key][name])
+            for entry in entries:
+                if entry["state"]:
+                    state[index] = entry["state"]
+                index += 1
+            groups.append({**entries[0]["group"], "params": list(range(index - len(entries), index))})
+        with _stepping:
+            self._optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _name_of(param: torch.Tensor, names: dict[torch.Tensor, tuple[str, str]]) -> tuple[str, str]:
+    if param not in names:
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} in a DistributedOptimizer belongs to none of the "
+                         f"modules given to the checkpoint: name the module that holds it")
+    return names[param]
+
+
+def _copied(state: dict[str, Any]) -> dict[str, Any]:
+    """Tensors cloned: the live optimizer goes on changing its own in place."""
+    return {key: value.detach().clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+
 
 def _create(optimizer_class: type, params: list[RRef], args: tuple, kwargs: dict) -> _LocalOptimizer:
     """Runs on the owner of `params`."""
@@ -76,6 +121,11 @@ class DistributedOptimizer:
         for local in pending:
             local.confirmed().wait()
         self._local_optimizers = pending
+
+    @property
+    def local_optimizers(self) -> list[RRef]:
+        """RRefs to the optimizer on each owner (a model-parallel checkpoint reads and restores them)."""
+        return list(self._local_optimizers)
 
     def step(self, context_id: int) -> None:
         # Every owner's step runs on its RPC threads, this worker's own too, as torch's do: never on the
