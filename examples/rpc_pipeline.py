@@ -5,8 +5,14 @@ gradients back through both shards and a DistributedOptimizer updates them. The 
 the unsplit model on the same batches: the micro-batches' gradients add up to the whole batch's,
 so both end with the same weights.
 
+With --checkpoint-dir, the master checkpoints both shards, the optimizer's state on their workers
+and its own reference model after every epoch, and resumes from the latest checkpoint when it
+starts: under `shoal run --max-restarts 1`, a job that lost any of its workers starts again and
+goes on from the last epoch it finished.
+
     shoal run --nproc-per-node 3 examples/rpc_pipeline.py                 # master + 2 shards
     shoal run --nproc-per-node 3 examples/rpc_pipeline.py --microbatches 8
+    shoal run --nproc-per-node 3 --max-restarts 1 examples/rpc_pipeline.py --checkpoint-dir ckpt
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch import nn
 
 from shoal import autograd as dist_autograd
 from shoal import rpc
+from shoal.checkpoint import ModelParallelCheckpoint
 from shoal.demo import digits
 from shoal.optim import DistributedOptimizer
 
@@ -63,6 +70,14 @@ class PipelinedModel(nn.Module):
     def parameter_rrefs(self) -> list[rpc.RRef]:
         return self.first.rpc_sync().parameter_rrefs() + self.second.rpc_sync().parameter_rrefs()
 
+    def shards(self) -> dict[str, rpc.RRef]:
+        return {"first": self.first, "second": self.second}
+
+
+def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (model(images).argmax(dim=1) == labels).double().mean().item()
+
 
 def train(args: argparse.Namespace) -> None:
     model = PipelinedModel(args.microbatches)
@@ -70,7 +85,15 @@ def train(args: argparse.Namespace) -> None:
     reference = whole_model()
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=args.lr, momentum=0.9)
     (images, labels), (test_images, test_labels) = (data.tensors for data in digits())
-    for epoch in range(args.epochs):
+    checkpoints = ModelParallelCheckpoint(args.checkpoint_dir, async_save=True) if args.checkpoint_dir else None
+    first_epoch = 0
+    latest = checkpoints.load_latest(model.shards(), optimizer) if checkpoints else None
+    if latest is not None:
+        reference.load_state_dict(latest.state["reference"])
+        reference_optimizer.load_state_dict(latest.state["reference_optimizer"])
+        first_epoch = latest.step
+        print(f"resuming from {latest.path.name}: epoch {first_epoch}", flush=True)
+    for epoch in range(first_epoch, args.epochs):
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch))
         total = 0.0
         for start in range(0, len(order), args.batch_size):
@@ -83,14 +106,18 @@ def train(args: argparse.Namespace) -> None:
             reference_optimizer.zero_grad()
             nn.functional.cross_entropy(reference(x), y).backward()
             reference_optimizer.step()
-        with torch.no_grad():
-            ours = (model(test_images).argmax(dim=1) == test_labels).double().mean().item()
-            theirs = (reference(test_images).argmax(dim=1) == test_labels).double().mean().item()
-        print(f"epoch {epoch}: loss {total / len(order):.4f}, test accuracy pipelined {ours:.2%}, "
-              f"unsplit {theirs:.2%}", flush=True)
+        print(f"epoch {epoch}: loss {total / len(order):.4f}, test accuracy pipelined "
+              f"{accuracy(model, test_images, test_labels):.2%}, unsplit "
+              f"{accuracy(reference, test_images, test_labels):.2%}", flush=True)
+        if checkpoints:
+            checkpoints.save(epoch + 1, model.shards(), optimizer, extra={
+                "reference": reference.state_dict(), "reference_optimizer": reference_optimizer.state_dict()})
+    if checkpoints:
+        checkpoints.wait()
     trained = [rref.to_here() for rref in model.parameter_rrefs()]
     gap = max((p - q).abs().max().item() for p, q in zip(trained, reference.parameters(), strict=True))
-    print(f"final test accuracy: pipelined {ours:.2%}, unsplit {theirs:.2%}", flush=True)
+    print(f"final test accuracy: pipelined {accuracy(model, test_images, test_labels):.2%}, "
+          f"unsplit {accuracy(reference, test_images, test_labels):.2%}", flush=True)
     print(f"largest parameter difference from the unsplit model: {gap:.2e}", flush=True)
 
 
@@ -100,6 +127,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--checkpoint-dir", help="checkpoint every epoch here, and resume from the latest")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # set by `shoal run`
