@@ -1,6 +1,7 @@
 """The model-parallel examples, run through `shoal run` as a user runs them: a parameter server with
 two trainers, and a model pipelined over RPC, both trained with distributed autograd and the
-DistributedOptimizer; the pipeline also loses a shard's worker and resumes from its checkpoint."""
+DistributedOptimizer. The parameter server's job also loses a trainer and goes on without it, and
+the pipeline loses a shard's worker and resumes from its checkpoint."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: Path, *args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """`script` on three workers under `shoal run` (with `launcher`'s options), which must succeed."""
-    result = subprocess.run([sys.executable, "-m", "shoal.run", "--nproc-per-node", "3", *launcher, str(script), *args],
-                            capture_output=True, text=True, timeout=110)
+def _run(*command: str, launcher: tuple[str, ...] = ("--nproc-per-node", "3")) -> subprocess.CompletedProcess:
+    """`command` (a script or `-m module`, and its arguments) under `shoal run` with `launcher`'s
+    options, from the repository's root (where -m finds tests.scripts); it must succeed."""
+    result = subprocess.run([sys.executable, "-m", "shoal.run", *launcher, *command], capture_output=True, text=True,
+                            timeout=110, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return result
 
@@ -29,25 +31,40 @@ def _same_as_unsplit(out: str) -> None:
     assert gap is not None and float(gap.group(1)) < 1e-4, out[-2000:]
 
 
-def test_parameter_server_and_two_trainers_reach_90_percent() -> None:
-    out = _run(ROOT / "examples" / "parameter_server.py").stdout
-    for trainer in (1, 2):
-        losses = [float(x) for x in re.findall(rf"trainer {trainer}, epoch \d+: loss ([\d.]+)", out)]
+def _trained(out: str, trainers: tuple[int, ...]) -> None:
+    """Each of `trainers` printed five epochs' losses, the last a quarter of the first or less, and
+    the server's model reached 90% on the test digits."""
+    for trainer in trainers:
+        losses = [float(x) for x in re.findall(rf"trainer{trainer}, epoch \d+: loss ([\d.]+)", out)]
         assert len(losses) == 5 and losses[-1] < losses[0] / 4, losses
     final = re.search(r"final test accuracy: ([\d.]+)%", out)
     assert final is not None and float(final.group(1)) >= 90.0, out[-2000:]
 
 
+def test_parameter_server_and_two_trainers_reach_90_percent() -> None:
+    _trained(_run("examples/parameter_server.py").stdout, trainers=(1, 2))
+
+
+def test_parameter_server_goes_on_without_a_lost_trainer() -> None:
+    """Trainer 2 dies between its backward and its step in epoch 1 of 5 (under --live the launcher
+    lets the others go on); its batches go to the other two, which finish the job."""
+    lost = _run("-m", "tests.scripts.parameter_server_with_kill", "--kill-at", "2:20",
+                launcher=("--live", "--nproc-per-node", "4"))
+    assert "rank 2 was lost (signal 9); the others go on without it" in lost.stderr, lost.stderr[-2000:]
+    assert "trainer2, epoch 1" not in lost.stdout
+    _trained(lost.stdout, trainers=(1, 3))
+
+
 def test_rpc_pipeline_trains_as_the_unsplit_model() -> None:
-    _same_as_unsplit(_run(ROOT / "examples" / "rpc_pipeline.py", "--epochs", "4").stdout)
+    _same_as_unsplit(_run("examples/rpc_pipeline.py", "--epochs", "4").stdout)
 
 
 def test_rpc_pipeline_that_loses_a_shard_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     """Shard 2's worker dies in epoch 1; the job starts again and restores both shards, the optimizer's
     momentum on their workers and the master's unsplit model from epoch 0's checkpoint (were any of
     them not restored, the two models would end 0.1 apart)."""
-    crashed = _run(ROOT / "tests" / "scripts" / "rpc_pipeline_with_kill.py", "--kill", "2", "--checkpoint-dir",
-                   str(tmp_path), "--epochs", "3", launcher=("--max-restarts", "1"))
+    crashed = _run("tests/scripts/rpc_pipeline_with_kill.py", "--kill", "2", "--checkpoint-dir", str(tmp_path),
+                   "--epochs", "3", launcher=("--nproc-per-node", "3", "--max-restarts", "1"))
     assert "rank 2 failed with exit code -9" in crashed.stderr and "restarting all workers" in crashed.stderr
     assert "resuming from step-0000000001.pt: epoch 1" in crashed.stdout
     _same_as_unsplit(crashed.stdout)

@@ -1,11 +1,12 @@
 """Launching workers (the `shoal run` launcher, torchrun's flags and environment), and live recovery:
 training that goes on in the same processes when workers are lost, and that workers join, on
-generations of membership."""
+generations of membership; for model-parallel jobs, trainers' steps that go on without a lost trainer."""
 
 from shoal.elastic.launch_config import LaunchConfig, parse_args
 from shoal.elastic.launcher import Launcher
 from shoal.elastic.live import LiveTraining
 from shoal.elastic.membership import EvictedError, Generation, JobFinished, Membership
+from shoal.elastic.trainer_steps import Batch, TrainerSteps
 
-__all__ = ["EvictedError", "Generation", "JobFinished", "LaunchConfig", "Launcher", "LiveTraining", "Membership",
-           "parse_args"]
+__all__ = ["Batch", "EvictedError", "Generation", "JobFinished", "LaunchConfig", "Launcher", "LiveTraining",
+           "Membership", "TrainerSteps", "parse_args"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +42,7 @@ class RpcAgent:
         self.default_timeout = options.rpc_timeout
         self._ids = itertools.count()  # message ids, and the numbers of the ids new_id() draws
         self._gone: set[int] = set()
+        self._loss_listeners: list[Callable[[WorkerInfo], None]] = []
         self._outstanding = Outstanding(self.name, self._worker_name)
         self._pool = WorkerPool(options.num_worker_threads, f"shoal-rpc-{self.name}")
         self._wire = Wire(transport, timedelta(seconds=options.rpc_timeout), self.name)
@@ -157,6 +159,11 @@ class RpcAgent:
 
     # ---- failures and shutdown ---------------------------------------------------------------
 
+    def on_worker_lost(self, listener: Callable[[WorkerInfo], None]) -> None:
+        """Call `listener(worker)` once for each worker that dies or leaves, after the calls to it have
+        failed, on the thread that noticed: it must not block."""
+        self._loss_listeners.append(listener)
+
     def _on_peer_failure(self, error: PeerFailure) -> None:
         rank = error.rank
         self._gone.add(rank)
@@ -165,6 +172,8 @@ class RpcAgent:
         self._outstanding.fail_calls_to(rank, PeerFailure(rank, f"worker {self._worker_name(rank)!r}: {error.detail}"))
         self.rref_context.table.drop_holder(rank)
         autograd_contexts.contexts.peer_failed(rank)
+        for listener in self._loss_listeners:
+            listener(self._workers[rank])
 
     def shutdown(self, graceful: bool, timeout: float | None) -> None:
         """Graceful: wait for our calls, tell the others we are done, and keep serving theirs until

@@ -1,0 +1,207 @@
+"""`TrainerSteps`: synchronous steps of trainers that share a model over RPC (a parameter server's),
+which go on when trainers are lost.
+
+It lives on one worker. It deals each epoch's samples out as batches, one per trainer per step,
+runs every trainer's optimizer step once all of them have finished their backward, and records a
+batch as applied once its step has been. A trainer that dies or leaves costs its batch of that step
+nothing: unless its step was applied, the batch goes to another trainer in the next step, so every
+sample is trained on exactly once per epoch, and the survivors go on in the same processes.
+
+    steps = rpc.rpc_sync("ps", make_steps)         # an RRef to the TrainerSteps on the server
+    while (batch := steps.rpc_sync().next_batch(name)) is not None:
+        with dist_autograd.context() as context_id:
+            loss = loss_fn(model(images[batch.indices]), labels[batch.indices])
+            dist_autograd.backward(context_id, [loss])
+            steps.rpc_sync().step(batch, optimizer, context_id)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.optim.distributed import DistributedOptimizer
+from shoal.rpc.current import current_agent
+from shoal.rpc.functions import async_execution
+
+Answer = tuple[torch.futures.Future, Any]  # a waiting trainer's future, and its value (an exception: raised there)
+
+
+@dataclass(eq=False, frozen=True)
+class Batch:
+    """One trainer's share of one step: the positions of its samples in the data set."""
+
+    epoch: int
+    step: int
+    trainer: str
+    indices: torch.Tensor
+
+
+class TrainerSteps:
+    """Steps of `trainers` (worker names) over `samples` samples, `batch_size` per trainer per step, for
+    `epochs` epochs, each in the order `torch.randperm` draws from `seed + epoch`. `applied` lists
+    the batches whose steps were applied, in the order they were."""
+
+    def __init__(self, trainers: Sequence[str], samples: int, batch_size: int, epochs: int, seed: int = 0) -> None:
+        if not trainers or len(set(trainers)) != len(trainers):
+            raise ValueError(f"TrainerSteps needs one or more trainers, each named once, got {list(trainers)}")
+        if samples < 1 or batch_size < 1 or epochs < 0:
+            raise ValueError(f"TrainerSteps needs samples and batch_size of at least 1 and epochs of at least 0, "
+                             f"got samples={samples}, batch_size={batch_size}, epochs={epochs}")
+        self._trainers = frozenset(trainers)
+        self._samples, self._batch_size, self._epochs, self._seed = samples, batch_size, epochs, seed
+        self._lock = threading.Lock()
+        self._living = set(trainers)
+        self._epoch, self._step = -1, 0
+        self._pending: deque[torch.Tensor] = deque()  # this epoch's batches that no trainer holds or has applied
+        self._holding: dict[str, Batch] = {}  # computing this step's forward and backward
+        self._arrived: dict[str, tuple[Batch, DistributedOptimizer, int, torch.futures.Future]] = {}
+        self._idle: dict[str, torch.futures.Future] = {}  # asked for a batch when none was left this step
+        self._applying = False
+        self._finished = threading.Event()
+        self._error: str | None = None
+        self.applied: list[Batch] = []
+        self._start_epoch()
+        current_agent().on_worker_lost(lambda worker: threading.Thread(
+            target=self._lose, args=(worker.name,), daemon=True, name="shoal-trainer-lost").start())
+
+    # ---- what trainers call (through an RRef) ----------------------------------------------------
+
+    @async_execution
+    def next_batch(self, trainer: str) -> torch.futures.Future:
+        """`trainer`'s batch of the next step, or None once every epoch is trained. Answers once
+        the step before has been applied for every trainer in it."""
+        future: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            self._check_free(trainer)
+            self._idle[trainer] = future
+            answers = self._advance()
+        _answer(answers)
+        return future
+
+    @async_execution
+    def step(self, batch: Batch, optimizer: DistributedOptimizer, context_id: int) -> torch.futures.Future:
+        """Apply `optimizer.step(context_id)` (the trainer's backward of `batch` is done) once every
+        trainer of this step has called; answers when all of their steps are applied, with the
+        error of this trainer's step if it failed (its batch then goes to another trainer)."""
+        future: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            held = self._holding.get(batch.trainer)
+            if held is None or held.step != batch.step:
+                raise RuntimeError(f"TrainerSteps.step: trainer {batch.trainer!r} holds no batch of step {batch.step}")
+            del self._holding[batch.trainer]
+            self._arrived[batch.trainer] = (held, optimizer, context_id, future)
+            answers = self._advance()
+        _answer(answers)
+        return future
+
+    # ---- for the worker it lives on ----------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every epoch is trained; RuntimeError if every trainer was lost first."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"TrainerSteps: training did not finish within {timeout} s")
+        if self._error is not None:
+            raise RuntimeError(self._error)
+
+    # ---- the steps -----------------------------------------------------------------------------------
+
+    def _check_free(self, trainer: str) -> None:
+        if trainer not in self._trainers:
+            raise ValueError(f"TrainerSteps: {trainer!r} is not one of the trainers {sorted(self._trainers)}")
+        if trainer not in self._living:
+            raise RuntimeError(f"TrainerSteps: trainer {trainer!r} was lost; it cannot take part again")
+        if trainer in self._holding or trainer in self._arrived or trainer in self._idle:
+            raise RuntimeError(f"TrainerSteps: trainer {trainer!r} asked for a batch before finishing its step")
+
+    def _start_epoch(self) -> None:
+        self._epoch += 1
+        order = torch.randperm(self._samples, generator=torch.Generator().manual_seed(self._seed + self._epoch))
+        self._pending.extend(order.split(self._batch_size))
+
+    def _advance(self) -> list[Answer]:
+        """Under the lock: deal batches to idle trainers, and apply the step once every living
+        trainer has arrived or has nothing to do; the futures to answer, outside the lock."""
+        answers: list[Answer] = []
+        if self._finished.is_set():
+            answers += [(future, None) for future in self._idle.values()]
+            self._idle.clear()
+        if self._applying or self._finished.is_set():
+            return answers
+        while self._idle and self._pending:
+            trainer, future = self._idle.popitem()
+            batch = Batch(self._epoch, self._step, trainer, self._pending.popleft())
+            self._holding[trainer] = batch
+            answers.append((future, batch))
+        due = self._living - self._holding.keys() - self._arrived.keys() - self._idle.keys()
+        if due or self._holding:
+            return answers
+        if self._arrived:
+            self._applying = True
+            threading.Thread(target=self._apply, args=(sorted(self._arrived.items()),), daemon=True,
+                             name="shoal-trainer-steps").start()
+            return answers
+        if not self._living:  # nobody is left to train what is left
+            self._error = (f"TrainerSteps: every trainer was lost in epoch {self._epoch}, step {self._step}, "
+                           f"with {len(self._pending)} batches of it untrained")
+            self._finished.set()
+            return answers
+        if self._epoch + 1 < self._epochs:  # every living trainer waits, and this epoch is all applied
+            self._start_epoch()
+            return answers + self._advance()
+        answers += [(future, None) for future in self._idle.values()]
+        self._idle.clear()
+        self._finished.set()
+        return answers
+
+    def _apply(self, arrived: list[tuple[str, tuple[Batch, DistributedOptimizer, int, torch.futures.Future]]]) -> None:
+        """One step: each trainer's optimizer step in turn (in name order, so a run can be replayed)."""
+        outcomes = []
+        for _, (batch, optimizer, context_id, future) in arrived:
+            try:
+                optimizer.step(context_id)
+            except Exception as exc:  # a lost trainer's context is gone: nothing was applied
+                outcomes.append((batch, future, exc))
+            else:
+                outcomes.append((batch, future, None))
+        answers: list[Answer] = []
+        with self._lock:
+            for batch, future, error in outcomes:
+                del self._arrived[batch.trainer]
+                if error is None:
+                    self.applied.append(batch)
+                else:
+                    self._pending.appendleft(batch.indices)
+                if batch.trainer in self._living:
+                    answers.append((future, error))
+            self._step += 1
+            self._applying = False
+            answers += self._advance()
+        _answer(answers)
+
+    def _lose(self, trainer: str) -> None:
+        """A worker died or left: if it was a trainer, its batch not applied goes back to the others."""
+        with self._lock:
+            if trainer not in self._living:
+                return
+            self._living.discard(trainer)
+            self._idle.pop(trainer, None)
+            if trainer in self._holding:
+                self._pending.appendleft(self._holding.pop(trainer).indices)
+            if trainer in self._arrived and not self._applying:  # an applying step settles it itself
+                self._pending.appendleft(self._arrived.pop(trainer)[0].indices)
+            answers = self._advance()
+        _answer(answers)
+
+
+def _answer(answers: list[Answer]) -> None:
+    for future, value in answers:
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)

@@ -1,0 +1,28 @@
+"""examples/parameter_server.py with a fault: `--kill-at RANK:STEP` SIGKILLs that trainer between its
+backward and its optimizer step in the server's step STEP, in the job's first attempt only
+(tests/faults.py); every other argument goes to the example. Run it as a module from the
+repository's root, so that `tests` can be imported:
+
+    shoal run --live --nproc-per-node 4 -m tests.scripts.parameter_server_with_kill --kill-at 2:20
+"""
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from tests.faults import kill_at, rank_and_step
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "parameter_server.py"
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--kill-at", type=rank_and_step, metavar="RANK:STEP", required=True)
+args, rest = parser.parse_known_args()
+# Imported under a name of its own on every worker, so that RPCs can name its functions.
+spec = importlib.util.spec_from_file_location("parameter_server", EXAMPLE)
+example = importlib.util.module_from_spec(spec)
+sys.modules["parameter_server"] = example
+spec.loader.exec_module(example)
+on_step = kill_at(*args.kill_at)
+example.main(rest, after_backward=lambda trainer, step: on_step(int(os.environ["RANK"]), step))

@@ -1,0 +1,121 @@
+"""TrainerSteps between real workers: a parameter server and three trainers, two of which are
+SIGKILLed mid-step (one during its backward's aftermath, one just after asking for its step). The
+job finishes in the same processes, every sample of every epoch is applied exactly once, and the
+server's parameters equal a replay, in one process, of the steps it applied (float64)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from shoal import autograd as dist_autograd
+from shoal import rpc
+from shoal.elastic import TrainerSteps
+from shoal.optim import DistributedOptimizer
+from tests.ranks import run_rpc_ranks
+
+TRAINERS = ["t1", "t2", "t3"]
+SAMPLES, BATCH, EPOCHS, LR = 96, 8, 3, 0.05
+KILLS = {"t3": (2, "holding"), "t2": (5, "arrived")}  # trainer -> (its n-th batch, where it dies)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return (torch.randn(SAMPLES, 6, generator=generator, dtype=torch.float64),
+            torch.randn(SAMPLES, 2, generator=generator, dtype=torch.float64))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+
+
+def _optimizer(params: list) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+_server: dict = {}
+_made = threading.Lock()
+
+
+def _handles() -> tuple[rpc.RRef, rpc.RRef, list[rpc.RRef]]:
+    """Runs on the server: the model, the steps and the parameters, made by the first to ask."""
+    with _made:
+        if not _server:
+            model = _model()
+            _server.update(model=model, steps=TrainerSteps(TRAINERS, SAMPLES, BATCH, EPOCHS, seed=5),
+                           initial=[p.detach().clone() for p in model.parameters()])
+        model = _server["model"]
+        return rpc.RRef(model), rpc.RRef(_server["steps"]), [rpc.RRef(p) for p in model.parameters()]
+
+
+def _train(rank: int, world: int) -> tuple | None:
+    if rank == 0:
+        model, steps, _ = _handles()
+        steps.local_value().wait(timeout=90)
+        applied = [(b.step, b.epoch, b.trainer, b.indices.tolist()) for b in steps.local_value().applied]
+        return _server["initial"], [p.detach().clone() for p in model.local_value().parameters()], applied
+    name = TRAINERS[rank - 1]
+    model, steps, params = rpc.rpc_sync("ps", _handles)
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=LR, momentum=0.9)
+    images, targets = _data()
+    for count in itertools.count(1):
+        batch = steps.rpc_sync().next_batch(name)
+        if batch is None:
+            return None
+        with dist_autograd.context() as context_id:
+            loss = nn.functional.mse_loss(model.rpc_sync().forward(images[batch.indices]), targets[batch.indices])
+            dist_autograd.backward(context_id, [loss])
+            if KILLS.get(name) == (count, "holding"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            stepped = steps.rpc_async().step(batch, optimizer, context_id)
+            if KILLS.get(name) == (count, "arrived"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            stepped.wait()
+    return None
+
+
+def _replay(applied: list, initial: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The applied steps in one process: each step's gradients at the parameters it began with, then
+    each trainer's own optimizer (its momentum) in the order the server applied them."""
+    model = _model()
+    with torch.no_grad():
+        for param, value in zip(model.parameters(), initial, strict=True):
+            param.copy_(value)
+    optimizers = {name: _optimizer(list(model.parameters())) for name in TRAINERS}
+    images, targets = _data()
+    for _, group in itertools.groupby(applied, key=lambda entry: entry[0]):
+        gradients = []
+        for _, _, trainer, indices in group:
+            model.zero_grad()
+            nn.functional.mse_loss(model(images[indices]), targets[indices]).backward()
+            gradients.append((trainer, [p.grad.clone() for p in model.parameters()]))
+        for trainer, grads in gradients:
+            for param, grad in zip(model.parameters(), grads, strict=True):
+                param.grad = grad
+            optimizers[trainer].step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_lost_trainers_batches_go_to_the_others_and_every_sample_is_applied_once() -> None:
+    initial, final, applied = run_rpc_ranks(_train, 4, names=["ps", *TRAINERS], timeout=120,
+                                            expect={2: "dies", 3: "dies"})[0]
+    for epoch in range(EPOCHS):
+        indices = sorted(i for _, e, _, batch in applied if e == epoch for i in batch)
+        assert indices == list(range(SAMPLES)), f"epoch {epoch} applied {len(indices)} samples, not each once"
+    by_trainer = {name: sum(1 for entry in applied if entry[2] == name) for name in TRAINERS}
+    assert by_trainer["t3"] == KILLS["t3"][0] - 1 and by_trainer["t2"] >= KILLS["t2"][0] - 1, by_trainer
+    assert by_trainer["t1"] > SAMPLES * EPOCHS // BATCH // 2, by_trainer  # it trained most of what the others left
+    for got, expected in zip(final, _replay(applied, initial), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_trainers_are_named_once() -> None:
+    with pytest.raises(ValueError, match="each named once"):
+        TrainerSteps(["a", "a"], SAMPLES, BATCH, EPOCHS)
