@@ -7,7 +7,8 @@ The server also deals out the work (`shoal.elastic.TrainerSteps`): each step, ev
 batch, and once all have run their backward, the server applies their optimizer steps, so no step
 changes the weights under a backward still to run through them. A trainer that dies mid-step costs
 nothing but time: its batch goes to another trainer, and every sample is still trained on once
-per epoch. Under `shoal run --live`, the launcher lets the others go on without it.
+per epoch. Under `shoal run --live`, the launcher lets the others go on without it (without
+`--max-restarts`: a new worker cannot join an RPC group that is running).
 
     shoal run --nproc-per-node 3 examples/parameter_server.py            # a server, two trainers
     shoal run --nproc-per-node 4 examples/parameter_server.py --epochs 8
@@ -38,7 +39,7 @@ class ParameterServer:
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
         samples = len(digits()[0])
-        self.steps = TrainerSteps(trainers, samples, args.batch_size, args.epochs)
+        self.steps = TrainerSteps(trainers, samples=samples, batch_size=args.batch_size, epochs=args.epochs)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)

@@ -51,7 +51,6 @@ def test_parameter_server_goes_on_without_a_lost_trainer() -> None:
     lost = _run("-m", "tests.scripts.parameter_server_with_kill", "--kill-at", "2:20",
                 launcher=("--live", "--nproc-per-node", "4"))
     assert "rank 2 was lost (signal 9); the others go on without it" in lost.stderr, lost.stderr[-2000:]
-    assert "trainer2, epoch 1" not in lost.stdout
     _trained(lost.stdout, trainers=(1, 3))
 
 

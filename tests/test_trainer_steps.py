@@ -1,7 +1,8 @@
 """TrainerSteps between real workers: a parameter server and three trainers, two of which are
-SIGKILLed mid-step (one during its backward's aftermath, one just after asking for its step). The
-job finishes in the same processes, every sample of every epoch is applied exactly once, and the
-server's parameters equal a replay, in one process, of the steps it applied (float64)."""
+SIGKILLed mid-step: one between its backward and its step, one after the server has its step but
+before the step is applied (the last trainer waits for it to die). The job finishes in the same
+processes, every sample of every epoch is applied exactly once, and the server's parameters equal
+a replay, in one process, of the steps it applied (float64)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from tests.ranks import run_rpc_ranks
 
 TRAINERS = ["t1", "t2", "t3"]
 SAMPLES, BATCH, EPOCHS, LR = 96, 8, 3, 0.05
-KILLS = {"t3": (2, "holding"), "t2": (5, "arrived")}  # trainer -> (its n-th batch, where it dies)
+HOLDING_DIES, ARRIVED_DIES = ("t3", 2), ("t2", 5)  # (trainer, its n-th batch): where each dies
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,14 +51,26 @@ def _handles() -> tuple[rpc.RRef, rpc.RRef, list[rpc.RRef]]:
     with _made:
         if not _server:
             model = _model()
-            _server.update(model=model, steps=TrainerSteps(TRAINERS, SAMPLES, BATCH, EPOCHS, seed=5),
+            _server.update(model=model, steps=TrainerSteps(TRAINERS, samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS,
+                                                           seed=5),
                            initial=[p.detach().clone() for p in model.parameters()])
         model = _server["model"]
         return rpc.RRef(model), rpc.RRef(_server["steps"]), [rpc.RRef(p) for p in model.parameters()]
 
 
+def _where(trainer: str) -> tuple[str, int]:
+    """Runs on the server: what `trainer` is doing (white-box), and how many of its steps applied."""
+    steps = _server["steps"]
+    with steps._lock:
+        state = ("lost" if trainer not in steps._living else "arrived" if trainer in steps._arrived else
+                 "holding" if trainer in steps._holding else "other")
+        return state, sum(1 for batch in steps.applied if batch.trainer == trainer)
+
+
 def _train(rank: int, world: int) -> tuple | None:
     if rank == 0:
+        with pytest.raises(ValueError, match="no worker is named 't4'"):  # it would be waited for forever
+            TrainerSteps([*TRAINERS, "t4"], samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS)
         model, steps, _ = _handles()
         steps.local_value().wait(timeout=90)
         applied = [(b.step, b.epoch, b.trainer, b.indices.tolist()) for b in steps.local_value().applied]
@@ -72,10 +86,16 @@ def _train(rank: int, world: int) -> tuple | None:
         with dist_autograd.context() as context_id:
             loss = nn.functional.mse_loss(model.rpc_sync().forward(images[batch.indices]), targets[batch.indices])
             dist_autograd.backward(context_id, [loss])
-            if KILLS.get(name) == (count, "holding"):
+            if (name, count) == HOLDING_DIES:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if name == "t1":  # t2 dies having asked for the step of its last batch: t1 asks for its own after
+                victim, last = ARRIVED_DIES
+                while rpc.rpc_sync("ps", _where, args=(victim,)) in {("holding", last - 1), ("arrived", last - 1)}:
+                    time.sleep(0.005)
             stepped = steps.rpc_async().step(batch, optimizer, context_id)
-            if KILLS.get(name) == (count, "arrived"):
+            if (name, count) == ARRIVED_DIES:
+                while rpc.rpc_sync("ps", _where, args=(name,))[0] != "arrived":
+                    time.sleep(0.005)
                 os.kill(os.getpid(), signal.SIGKILL)
             stepped.wait()
     return None
@@ -110,12 +130,13 @@ def test_lost_trainers_batches_go_to_the_others_and_every_sample_is_applied_once
         indices = sorted(i for _, e, _, batch in applied if e == epoch for i in batch)
         assert indices == list(range(SAMPLES)), f"epoch {epoch} applied {len(indices)} samples, not each once"
     by_trainer = {name: sum(1 for entry in applied if entry[2] == name) for name in TRAINERS}
-    assert by_trainer["t3"] == KILLS["t3"][0] - 1 and by_trainer["t2"] >= KILLS["t2"][0] - 1, by_trainer
-    assert by_trainer["t1"] > SAMPLES * EPOCHS // BATCH // 2, by_trainer  # it trained most of what the others left
+    assert by_trainer["t3"] == HOLDING_DIES[1] - 1, by_trainer  # the batch it held was trained by another
+    assert by_trainer["t2"] == ARRIVED_DIES[1] - 1, by_trainer  # so was the one whose step it had asked for
+    assert by_trainer["t1"] == SAMPLES * EPOCHS // BATCH - by_trainer["t2"] - by_trainer["t3"]
     for got, expected in zip(final, _replay(applied, initial), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
 def test_trainers_are_named_once() -> None:
     with pytest.raises(ValueError, match="each named once"):
-        TrainerSteps(["a", "a"], SAMPLES, BATCH, EPOCHS)
+        TrainerSteps(["a", "a"], samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS)

@@ -3,9 +3,11 @@ which go on when trainers are lost.
 
 It lives on one worker. It deals each epoch's samples out as batches, one per trainer per step,
 runs every trainer's optimizer step once all of them have finished their backward, and records a
-batch as applied once its step has been. A trainer that dies or leaves costs its batch of that step
-nothing: unless its step was applied, the batch goes to another trainer in the next step, so every
-sample is trained on exactly once per epoch, and the survivors go on in the same processes.
+batch as applied once its step has been. A trainer that dies or leaves is not waited for: unless
+its step was applied, its batch goes to another trainer, so every sample is trained on exactly
+once per epoch, and the survivors go on in the same processes. Exactly once needs the parameters
+on one worker (a parameter server's): a step that fails on one of several owners may have been
+applied on the others.
 
     steps = rpc.rpc_sync("ps", make_steps)         # an RRef to the TrainerSteps on the server
     while (batch := steps.rpc_sync().next_batch(name)) is not None:
@@ -29,7 +31,7 @@ from shoal.optim.distributed import DistributedOptimizer
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import async_execution
 
-Answer = tuple[torch.futures.Future, Any]  # a waiting trainer's future, and its value (an exception: raised there)
+_Answer = tuple[torch.futures.Future, Any]  # a waiting trainer's future, and its value (an exception: raised there)
 
 
 @dataclass(eq=False, frozen=True)
@@ -45,13 +47,14 @@ class Batch:
 class TrainerSteps:
     """Steps of `trainers` (worker names) over `samples` samples, `batch_size` per trainer per step, for
     `epochs` epochs, each in the order `torch.randperm` draws from `seed + epoch`. `applied` lists
-    the batches whose steps were applied, in the order they were."""
+    the batches whose steps were applied, in the order they were: which trainer gets which batch
+    depends on timing, so a run is reproduced by replaying `applied`, not by running it again."""
 
-    def __init__(self, trainers: Sequence[str], samples: int, batch_size: int, epochs: int, seed: int = 0) -> None:
+    def __init__(self, trainers: Sequence[str], *, samples: int, batch_size: int, epochs: int, seed: int = 0) -> None:
         if not trainers or len(set(trainers)) != len(trainers):
             raise ValueError(f"TrainerSteps needs one or more trainers, each named once, got {list(trainers)}")
-        if samples < 1 or batch_size < 1 or epochs < 0:
-            raise ValueError(f"TrainerSteps needs samples and batch_size of at least 1 and epochs of at least 0, "
+        if samples < 1 or batch_size < 1 or epochs < 1:
+            raise ValueError(f"TrainerSteps needs samples, batch_size and epochs of at least 1, "
                              f"got samples={samples}, batch_size={batch_size}, epochs={epochs}")
         self._trainers = frozenset(trainers)
         self._samples, self._batch_size, self._epochs, self._seed = samples, batch_size, epochs, seed
@@ -67,15 +70,22 @@ class TrainerSteps:
         self._error: str | None = None
         self.applied: list[Batch] = []
         self._start_epoch()
-        current_agent().on_worker_lost(lambda worker: threading.Thread(
+        agent = current_agent()
+        for trainer in trainers:
+            agent.worker(trainer)  # ValueError for a name no worker has, which would be waited for forever
+        agent.on_worker_lost(lambda worker: threading.Thread(
             target=self._lose, args=(worker.name,), daemon=True, name="shoal-trainer-lost").start())
+        for trainer in trainers:
+            if agent.is_lost(trainer):  # lost before we listened
+                self._lose(trainer)
 
     # ---- what trainers call (through an RRef) ----------------------------------------------------
 
     @async_execution
     def next_batch(self, trainer: str) -> torch.futures.Future:
         """`trainer`'s batch of the next step, or None once every epoch is trained. Answers once
-        the step before has been applied for every trainer in it."""
+        the step before has been applied for every trainer in it: call it with an RPC timeout longer
+        than a step of the slowest trainer."""
         future: torch.futures.Future = torch.futures.Future()
         with self._lock:
             self._check_free(trainer)
@@ -88,7 +98,7 @@ class TrainerSteps:
     def step(self, batch: Batch, optimizer: DistributedOptimizer, context_id: int) -> torch.futures.Future:
         """Apply `optimizer.step(context_id)` (the trainer's backward of `batch` is done) once every
         trainer of this step has called; answers when all of their steps are applied, with the
-        error of this trainer's step if it failed (its batch then goes to another trainer)."""
+        error of this trainer's step if it failed (its batch then goes back to the others)."""
         future: torch.futures.Future = torch.futures.Future()
         with self._lock:
             held = self._holding.get(batch.trainer)
@@ -124,10 +134,10 @@ class TrainerSteps:
         order = torch.randperm(self._samples, generator=torch.Generator().manual_seed(self._seed + self._epoch))
         self._pending.extend(order.split(self._batch_size))
 
-    def _advance(self) -> list[Answer]:
+    def _advance(self) -> list[_Answer]:
         """Under the lock: deal batches to idle trainers, and apply the step once every living
         trainer has arrived or has nothing to do; the futures to answer, outside the lock."""
-        answers: list[Answer] = []
+        answers: list[_Answer] = []
         if self._finished.is_set():
             answers += [(future, None) for future in self._idle.values()]
             self._idle.clear()
@@ -146,12 +156,13 @@ class TrainerSteps:
             threading.Thread(target=self._apply, args=(sorted(self._arrived.items()),), daemon=True,
                              name="shoal-trainer-steps").start()
             return answers
-        if not self._living:  # nobody is left to train what is left
+        more_epochs = self._epoch + 1 < self._epochs
+        if not self._living and (self._pending or more_epochs):  # nobody is left to train what is left
             self._error = (f"TrainerSteps: every trainer was lost in epoch {self._epoch}, step {self._step}, "
                            f"with {len(self._pending)} batches of it untrained")
             self._finished.set()
             return answers
-        if self._epoch + 1 < self._epochs:  # every living trainer waits, and this epoch is all applied
+        if more_epochs:  # every living trainer waits, and this epoch is all applied
             self._start_epoch()
             return answers + self._advance()
         answers += [(future, None) for future in self._idle.values()]
@@ -165,11 +176,22 @@ class TrainerSteps:
         for _, (batch, optimizer, context_id, future) in arrived:
             try:
                 optimizer.step(context_id)
-            except Exception as exc:  # a lost trainer's context is gone: nothing was applied
+            except Exception as exc:  # a lost trainer's context is gone: its step did not apply
                 outcomes.append((batch, future, exc))
             else:
                 outcomes.append((batch, future, None))
-        answers: list[Answer] = []
+        try:
+            self._settle(outcomes)
+        except BaseException as exc:  # never leave the trainers waiting for a step that will not end
+            with self._lock:
+                self._error = f"TrainerSteps: settling step {self._step} failed: {exc!r}"
+                self._finished.set()
+                waiting = [future for _, _, _, future in self._arrived.values()] + list(self._idle.values())
+            _answer([(future, RuntimeError(self._error)) for future in waiting if not future.done()])
+            raise
+
+    def _settle(self, outcomes: list[tuple[Batch, torch.futures.Future, Exception | None]]) -> None:
+        answers: list[_Answer] = []
         with self._lock:
             for batch, future, error in outcomes:
                 del self._arrived[batch.trainer]
@@ -199,7 +221,7 @@ class TrainerSteps:
         _answer(answers)
 
 
-def _answer(answers: list[Answer]) -> None:
+def _answer(answers: list[_Answer]) -> None:
     for future, value in answers:
         if isinstance(value, BaseException):
             future.set_exception(value)

@@ -60,15 +60,20 @@ class _LocalOptimizer:
     def load_state_by_name(self, by_name: dict[str, dict[str, dict]],
                            names: dict[torch.Tensor, tuple[str, str]]) -> None:
         """Put back what `state_by_name` took, into this optimizer's parameters, however they are
-        now grouped across workers; a parameter missing from `by_name` is a KeyError naming it."""
+        now spread across workers. A parameter missing from `by_name`, or a group whose parameters
+        were saved with different settings, is a ValueError naming it."""
         state, groups, index = {}, [], 0
         for group in self._optimizer.param_groups:
             entries = []
             for param in group["params"]:
                 key, name = _name_of(param, names)
                 if name not in by_name.get(key, {}):
-                    raise KeyError(f"the checkpoint holds no optimizer state for parameter {name!r} of module {key!r}")
+                    raise ValueError(f"the checkpoint holds no optimizer state for parameter {name!r} of module "
+                                     f"{key!r}")
                 entries.append(by_name[key][name])
+            if any(entry["group"] != entries[0]["group"] for entry in entries):
+                raise ValueError(f"the parameters of one optimizer group were saved with different settings "
+                                 f"({[entry['group'] for entry in entries]}): group them as they were saved")
             for entry in entries:
                 if entry["state"]:
                     state[index] = entry["state"]

@@ -5,6 +5,7 @@ death, and shuts down in step with the other workers."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,6 +29,8 @@ from shoal.rpc.message import Encoded
 from shoal.rpc.options import RpcBackendOptions, Timeout, To, WorkerInfo, timeout_seconds
 from shoal.rpc.rref import RRef, make_rref
 from shoal.rpc.rref_context import RRefContext
+
+log = logging.getLogger(__name__)
 
 
 class RpcAgent:
@@ -160,8 +163,8 @@ class RpcAgent:
     # ---- failures and shutdown ---------------------------------------------------------------
 
     def on_worker_lost(self, listener: Callable[[WorkerInfo], None]) -> None:
-        """Call `listener(worker)` once for each worker that dies or leaves, after the calls to it have
-        failed, on the thread that noticed: it must not block."""
+        """Call `listener(worker)` once for each worker that dies or leaves from now on (`is_lost` tells
+        of those before), after the calls to it have failed, on the thread that noticed: it must not block."""
         self._loss_listeners.append(listener)
 
     def _on_peer_failure(self, error: PeerFailure) -> None:
@@ -173,7 +176,11 @@ class RpcAgent:
         self.rref_context.table.drop_holder(rank)
         autograd_contexts.contexts.peer_failed(rank)
         for listener in self._loss_listeners:
-            listener(self._workers[rank])
+            try:
+                listener(self._workers[rank])
+            except Exception:  # one listener's bug must not keep the loss from the others
+                log.exception("worker %r: a listener for the loss of worker %r failed", self.name,
+                              self._worker_name(rank))
 
     def shutdown(self, graceful: bool, timeout: float | None) -> None:
         """Graceful: wait for our calls, tell the others we are done, and keep serving theirs until

@@ -1,0 +1,98 @@
+"""Recovery of a model-parallel job from a lost trainer.
+
+    python benchmarks/rpc_recovery.py         # or: shoal bench rpc-recovery [--trials 10] [--only shoal|torch]
+
+A parameter server and three trainers (benchmarks/rpc_recovery_job.py); trainer rank 2 SIGKILLs
+itself between its backward and its step, at a step drawn at random, once per trial.
+- shoal (`shoal run --live`, TrainerSteps): the others go on. Reported: from the death to the step
+  it died in being applied without it, and to its batch being applied by another trainer.
+- torch (torchrun --max-restarts 1, torch.distributed.rpc): torch's RPC has no recovery; torchrun
+  starts the whole job again. Reported: whether it finished, and from the death to the first step
+  applied after the restart (which starts again from step 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+JOB = Path(__file__).resolve().parent / "rpc_recovery_job.py"
+STEPS = 40
+
+
+def _run(impl: str, kill_at: int, timeout: float) -> str | None:
+    """The job's output, or None if it did not finish."""
+    launcher = (["-m", "shoal.run", "--live"] if impl == "shoal" else
+                ["-m", "torch.distributed.run", "--max-restarts", "1"])
+    command = [sys.executable, *launcher, "--nproc-per-node", "4", str(JOB), "--impl", impl, "--steps", str(STEPS),
+               "--kill-at", str(kill_at)]
+    # A session of its own, so that a hung job's launcher can be stopped with whatever it left in it.
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.terminate()  # the launcher stops its workers, which torchrun starts in sessions of their own
+        try:
+            job.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+        print(f"{impl} (kill at step {kill_at}): did not finish within {timeout:g} s", file=sys.stderr)
+        return None
+    if job.returncode != 0:
+        errors = [line for line in err.splitlines() if re.match(r"\w*(Error|Exception):", line)]
+        print(f"{impl} (kill at step {kill_at}): failed with exit code {job.returncode}: {errors[-1:]}",
+              file=sys.stderr)
+        return None
+    return out
+
+
+def _applied(out: str, step: int, after: float) -> float | None:
+    times = [float(t) for t in re.findall(rf"applied {step} (\d+\.\d{{6}})", out) if float(t) > after]
+    return min(times) if times else None
+
+
+def trial(impl: str, timeout: float) -> tuple[float, float] | None:
+    """(death to the next step applied, death to the lost batch applied); None if the job failed."""
+    kill_at = random.randint(3, STEPS - 4)
+    if (out := _run(impl, kill_at, timeout)) is None:
+        return None
+    death = float(re.search(r"death (\d+\.\d{6})", out).group(1))
+    if impl == "shoal":  # the step goes on without the lost trainer; its batch is taken in the next one
+        first, redone = _applied(out, kill_at, death), _applied(out, kill_at + 1, death)
+    else:  # the job starts again from step 0 and takes the lost step again at kill_at
+        first, redone = _applied(out, 0, death), _applied(out, kill_at, death)
+    if first is None or redone is None:
+        return None
+    return first - death, redone - death
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=120, help="seconds after which a trial counts as failed")
+    parser.add_argument("--only", choices=["shoal", "torch"], help="run one side only")
+    args = parser.parse_args(argv)
+    print("| lost trainer | recovered | median death to next step applied | median death to its batch applied | "
+          "next step, every trial |\n|---|---|---|---|---|")
+    for impl, label in (("shoal", "shoal run --live, TrainerSteps"),
+                        ("torch", "torchrun --max-restarts 1, torch.distributed.rpc")):
+        if args.only not in (None, impl):
+            continue
+        results = [trial(impl, args.timeout) for _ in range(args.trials)]
+        ok = [r for r in results if r is not None]
+        first = f"{statistics.median(r[0] for r in ok):.3f} s" if ok else "-"
+        redone = f"{statistics.median(r[1] for r in ok):.3f} s" if ok else "-"
+        print(f"| {label} | {len(ok)} of {len(results)} | {first} | {redone} | "
+              f"{', '.join(f'{r[0]:.3f}' for r in ok)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
