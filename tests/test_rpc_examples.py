@@ -1,7 +1,7 @@
 """The model-parallel examples, run through `shoal run` as a user runs them: a parameter server with
 two trainers, and a model pipelined over RPC, both trained with distributed autograd and the
 DistributedOptimizer. The parameter server's job also loses a trainer and goes on without it, and
-the pipeline loses a shard's worker and resumes from its checkpoint."""
+the pipeline loses a shard's worker and resumes from its checkpoint, restarted or live."""
 
 from __future__ import annotations
 
@@ -67,3 +67,14 @@ def test_rpc_pipeline_that_loses_a_shard_resumes_from_its_checkpoint(tmp_path: P
     assert "rank 2 failed with exit code -9" in crashed.stderr and "restarting all workers" in crashed.stderr
     assert "resuming from step-0000000001.pt: epoch 1" in crashed.stdout
     _same_as_unsplit(crashed.stdout)
+
+
+def test_rpc_pipeline_builds_a_lost_shard_again_on_the_other_worker(tmp_path: Path) -> None:
+    """Under --live nothing is restarted: the master builds shard 2 again on shard 1's worker and puts
+    both shards, their momentum and its unsplit model back as epoch 0's checkpoint has them."""
+    live = _run("tests/scripts/rpc_pipeline_with_kill.py", "--kill", "2", "--checkpoint-dir", str(tmp_path),
+                "--epochs", "3", "--live", launcher=("--live", "--nproc-per-node", "3"))
+    assert "rank 2 was lost (signal 9)" in live.stderr and "restarting" not in live.stderr, live.stderr[-2000:]
+    assert "lost ['shard2']: shard(s) ['second'] built again on ['shard1']" in live.stdout
+    assert "resuming from step-0000000001.pt: epoch 1" in live.stdout
+    _same_as_unsplit(live.stdout)

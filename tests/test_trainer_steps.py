@@ -73,6 +73,7 @@ def _train(rank: int, world: int) -> tuple | None:
             TrainerSteps([*TRAINERS, "t4"], samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS)
         model, steps, _ = _handles()
         steps.local_value().wait(timeout=90)
+        assert [worker.name for worker in rpc.lost_workers()] == ["t2", "t3"]
         applied = [(b.step, b.epoch, b.trainer, b.indices.tolist()) for b in steps.local_value().applied]
         return _server["initial"], [p.detach().clone() for p in model.local_value().parameters()], applied
     name = TRAINERS[rank - 1]

@@ -4,7 +4,7 @@ The registry of RPC backends is `shoal.rpc.backend_registry`, as torch's is torc
 (torch's `__all__` names its functions, but they are not attributes of torch.distributed.rpc itself)."""
 
 from shoal.rpc import backend_registry, functions
-from shoal.rpc.api import get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
+from shoal.rpc.api import get_worker_info, init_rpc, lost_workers, remote, rpc_async, rpc_sync, shutdown
 from shoal.rpc.future import Future
 from shoal.rpc.message import RemoteError, RemoteTraceback, UnknownFunctionError
 from shoal.rpc.options import RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
@@ -37,6 +37,7 @@ __all__ = [
     "get_worker_info",
     "init_rpc",
     "is_available",
+    "lost_workers",
     "remote",
     "rpc_async",
     "rpc_sync",

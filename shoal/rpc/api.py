@@ -64,6 +64,12 @@ def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
     return agent.info if worker_name is None else agent.worker(worker_name)
 
 
+def lost_workers() -> list[WorkerInfo]:
+    """The workers this worker knows to have died or left (shoal's; torch.distributed.rpc has no such
+    call): a program that goes on without them, or rebuilds what they held, asks here which they are."""
+    return current_agent().lost_workers()
+
+
 def rpc_async(to: To, func: Callable, args: tuple = (), kwargs: dict | None = None,
               timeout: Timeout = None) -> Future:
     """Run `func(*args, **kwargs)` on worker `to`; a Future of its result.

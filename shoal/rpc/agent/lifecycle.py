@@ -126,6 +126,9 @@ class RpcAgent:
         """Whether worker `to` has crashed or left: calls to it fail at once with PeerFailure."""
         return self.worker(to).id in self._gone
 
+    def lost_workers(self) -> list[WorkerInfo]:
+        return [self._workers[rank] for rank in sorted(self._gone)]
+
     def new_id(self) -> tuple[int, int]:
         """An id no other worker can draw: (our rank, a number)."""
         return (self.rank, next(self._ids))
