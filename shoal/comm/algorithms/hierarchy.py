@@ -79,6 +79,6 @@ def all_gather(ch: ring.Channel, placement: Placement, outs: list[torch.Tensor],
         for j, rank in enumerate(host):
             ring.all_gather(Subchannel(ch, leaders, j * span), [outs[h[j]] for h in hosts], outs[rank])
     for other in hosts:
-        if other is not host:
+        if other != host:
             for rank in other:
                 intrahost.broadcast(arena, outs[rank], 0)
