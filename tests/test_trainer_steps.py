@@ -18,6 +18,7 @@ from torch import nn
 
 from shoal import autograd as dist_autograd
 from shoal import rpc
+from shoal.checkpoint import ModelParallelCheckpoint
 from shoal.elastic import TrainerSteps
 from shoal.optim import DistributedOptimizer
 from tests.ranks import run_rpc_ranks
@@ -141,3 +142,65 @@ def test_lost_trainers_batches_go_to_the_others_and_every_sample_is_applied_once
 def test_trainers_are_named_once() -> None:
     with pytest.raises(ValueError, match="each named once"):
         TrainerSteps(["a", "a"], samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS)
+
+
+# ---- the server lost: made again on a trainer, from its last checkpoint -----------------------------
+
+EVERY, SERVER_DIES_AFTER = 2, 20  # a checkpoint every 2 steps (6 batches); the server dies after 20 batches
+_failover: dict = {}
+
+
+def _failover_handles(directory: str) -> tuple[rpc.RRef, rpc.RRef, list[rpc.RRef]]:
+    """Runs on whichever worker serves: the model and steps, resumed from the last checkpoint if any."""
+    with _made:
+        if not _failover:
+            model = _model()
+            steps = TrainerSteps(TRAINERS, samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS, seed=5,
+                                 checkpoints=ModelParallelCheckpoint(directory, async_save=True),
+                                 modules={"model": rpc.RRef(model)}, every=EVERY)
+            _failover.update(model=model, steps=steps, resumed_with=len(steps.applied))
+        model = _failover["model"]
+        return rpc.RRef(model), rpc.RRef(_failover["steps"]), [rpc.RRef(p) for p in model.parameters()]
+
+
+def _train_through_failover(rank: int, world: int, directory: str) -> tuple | None:
+    name = ["t1", "ps", "t2", "t3"][rank]  # rank 0 serves the rendezvous store, so it is not the server
+    if name == "ps":
+        _, steps, _ = _failover_handles(directory)
+        while len(steps.local_value().applied) < SERVER_DIES_AFTER:
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGKILL)
+    server = "ps"
+    images, targets = _data()
+    while True:
+        try:
+            model, steps, params = rpc.rpc_sync(server, _failover_handles, args=(directory,))
+            optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=LR, momentum=0.9)
+            while (batch := steps.rpc_sync().next_batch(name)) is not None:
+                with dist_autograd.context() as context_id:
+                    out = model.rpc_sync().forward(images[batch.indices])
+                    dist_autograd.backward(context_id, [nn.functional.mse_loss(out, targets[batch.indices])])
+                    steps.rpc_sync().step(batch, optimizer, context_id)
+            break
+        except RuntimeError:
+            if server not in {worker.name for worker in rpc.lost_workers()}:
+                raise
+            server = "t1"  # the first trainer by name serves from now on, on every trainer
+    if name != server:
+        return None
+    steps = _failover["steps"]
+    steps.wait(timeout=90)
+    applied = [(b.step, b.epoch, b.trainer, b.indices.tolist()) for b in steps.applied]
+    return [p.detach().clone() for p in _failover["model"].parameters()], applied, _failover["resumed_with"]
+
+
+def test_a_lost_server_is_made_again_on_a_trainer_from_its_last_checkpoint(tmp_path) -> None:
+    final, applied, resumed_with = run_rpc_ranks(_train_through_failover, 4, str(tmp_path),
+                                                 names=["t1", "ps", "t2", "t3"], timeout=120, expect={1: "dies"})[0]
+    # Resumed from a checkpoint of a whole number of steps of three batches, the steps since lost.
+    assert resumed_with >= 2 * EVERY * len(TRAINERS) and resumed_with % (EVERY * len(TRAINERS)) == 0, resumed_with
+    for epoch in range(EPOCHS):
+        indices = sorted(i for _, e, _, batch in applied if e == epoch for i in batch)
+        assert indices == list(range(SAMPLES)), f"epoch {epoch} applied {len(indices)} samples, not each once"
+    for got, expected in zip(final, _replay(applied, [p.detach() for p in _model().parameters()]), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)

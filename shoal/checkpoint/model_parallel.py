@@ -9,13 +9,15 @@ call and restored onto whichever workers hold the modules when it is loaded.
 Each owner copies its modules' state and its optimizers' state at `save`; the caller gathers the
 copies into one file, written as CheckpointManager writes (atomic, verified, the newest `keep`
 kept, in the background with `async_save`). Optimizer state is stored by parameter name, not by
-position, so a restarted job may place the modules differently, on fewer workers.
+position, so a restarted job may place the modules differently, on fewer workers. Several
+optimizers (one per trainer of a parameter server) are saved and restored as {key: optimizer}.
 """
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ from shoal.rpc import api as rpc
 from shoal.rpc.rref import RRef
 
 Modules = dict[str, "RRef | RemoteModule"]
+Optimizers = DistributedOptimizer | Mapping[str, DistributedOptimizer] | None
+_ONE = ""  # the key of an optimizer given alone
 
 
 def _parameter_names(modules: dict[str, Any]) -> dict[torch.Tensor, tuple[str, str]]:
@@ -35,11 +39,13 @@ def _parameter_names(modules: dict[str, Any]) -> dict[torch.Tensor, tuple[str, s
             for name, param in module.named_parameters()}
 
 
-def _copy_state(modules: dict[str, RRef], optimizers: list[RRef]) -> tuple[dict, dict]:
-    """Runs on the owner of `modules` and `optimizers`: copies of their state."""
+def _copy_state(modules: dict[str, RRef], optimizers: list[RRef], with_modules: bool) -> tuple[dict, dict]:
+    """Runs on the owner of `modules` and `optimizers`: copies of the optimizers' state, and of the
+    modules' too if `with_modules`."""
     values = {key: rref.local_value() for key, rref in modules.items()}
     states = {key: {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
-                    for name, value in module.state_dict().items()} for key, module in values.items()}
+                    for name, value in module.state_dict().items()} for key, module in values.items()
+              if with_modules}
     names = _parameter_names(values)
     optimizer_state: dict[str, dict] = defaultdict(dict)
     for local in optimizers:
@@ -49,13 +55,13 @@ def _copy_state(modules: dict[str, RRef], optimizers: list[RRef]) -> tuple[dict,
 
 
 def _restore_state(modules: dict[str, RRef], states: dict[str, dict], optimizers: list[RRef],
-                   optimizer_state: dict[str, dict] | None) -> None:
-    """Runs on the owner of `modules` and `optimizers`: loads what `_copy_state` copied, in place."""
-    values = {key: rref.local_value() for key, rref in modules.items()}
-    for key, module in values.items():
-        module.load_state_dict(states[key])
+                   optimizer_state: dict[str, dict] | None, named: dict[str, RRef]) -> None:
+    """Runs on the owner of `modules`, `optimizers` and `named` (the modules whose parameters the
+    optimizers step): loads what `_copy_state` copied, in place."""
+    for key, rref in modules.items():
+        rref.local_value().load_state_dict(states[key])
     if optimizer_state is not None:
-        names = _parameter_names(values)
+        names = _parameter_names({key: rref.local_value() for key, rref in named.items()})
         for local in optimizers:
             local.local_value().load_state_by_name(optimizer_state, names)
 
@@ -69,6 +75,12 @@ def _module_rref(key: str, module: RRef | RemoteModule) -> RRef:
                     f"not {type(module).__name__}")
 
 
+def _keyed(optimizer: Optimizers) -> dict[str, DistributedOptimizer]:
+    if optimizer is None:
+        return {}
+    return {_ONE: optimizer} if isinstance(optimizer, DistributedOptimizer) else dict(optimizer)
+
+
 def _by_owner(modules: Modules, optimizer: DistributedOptimizer | None) -> dict[str, tuple[dict, list]]:
     """For each worker: the modules (key -> RRef) and the optimizers it owns."""
     placement: dict[str, tuple[dict, list]] = defaultdict(lambda: ({}, []))
@@ -78,6 +90,31 @@ def _by_owner(modules: Modules, optimizer: DistributedOptimizer | None) -> dict[
     for local in optimizer.local_optimizers if optimizer is not None else []:
         placement[local.owner_name()][1].append(local)
     return dict(placement)
+
+
+def _gather(modules: Modules, optimizer: DistributedOptimizer | None) -> tuple[dict, dict]:
+    """Every owner's copy of its modules' state (with no `optimizer`), or of `optimizer`'s state
+    there, by the names of its parameters in `modules`."""
+    futures = {owner: rpc.rpc_async(owner, _copy_state, args=(owned, optimizers, optimizer is None))
+               for owner, (owned, optimizers) in _by_owner(modules, optimizer).items()}
+    module_state, optimizer_state = {}, {}
+    for states, by_name in _wait_all(futures).values():
+        module_state.update(states)
+        optimizer_state.update(by_name)
+    return module_state, optimizer_state
+
+
+def _scatter(modules: Modules, module_state: dict | None, optimizer: DistributedOptimizer | None,
+             optimizer_state: dict | None) -> None:
+    """Send each owner its modules' state (unless None) and `optimizer`'s state there (unless None)."""
+    futures = {}
+    for owner, (owned, optimizers) in _by_owner(modules, optimizer).items():
+        states = {key: module_state[key] for key in owned} if module_state is not None else {}
+        mine = None if optimizer_state is None else {key: optimizer_state.get(key, {}) for key in owned}
+        futures[owner] = rpc.rpc_async(owner, _restore_state,
+                                       args=(owned if module_state is not None else {}, states, optimizers, mine,
+                                             owned))
+    _wait_all(futures)
 
 
 def _wait_all(futures: dict[str, Any]) -> dict[str, Any]:
@@ -94,32 +131,31 @@ def _wait_all(futures: dict[str, Any]) -> dict[str, Any]:
 
 
 class ModelParallelCheckpoint:
-    """Saves and restores the modules of a model-parallel job, wherever they live, and its
-    DistributedOptimizer's state. One worker calls `save` and `load_latest`, at a point between
-    steps where no optimizer step runs (each owner copies its part when asked: parameters that a
-    step changes meanwhile would mix two steps)."""
+    """Saves and restores the modules of a model-parallel job, wherever they live, and the state of
+    its DistributedOptimizers. One worker calls `save` and `load_latest`, at a point between steps
+    where no optimizer step runs (each owner copies its part when asked: parameters that a step
+    changes meanwhile would mix two steps)."""
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = False) -> None:
         self._manager = CheckpointManager(directory, keep=keep, async_save=async_save, rank=0)
+        self._loaded: Checkpoint | None = None
 
-    def save(self, step: int, modules: Modules, optimizer: DistributedOptimizer | None = None, *,
+    def save(self, step: int, modules: Modules, optimizer: Optimizers = None, *,
              extra: dict[str, Any] | None = None) -> None:
         """Checkpoint `modules` (key -> RRef to a module, or RemoteModule), the optimizer's state on
-        every owner, and `extra` (this worker's own state: the data's position, RNG) as of `step`.
-        Every parameter the optimizer steps must belong to one of `modules`. With async_save,
-        returns once every owner's copy has arrived."""
-        futures = {owner: rpc.rpc_async(owner, _copy_state, args=(owned, optimizers))
-                   for owner, (owned, optimizers) in _by_owner(modules, optimizer).items()}
-        module_state, optimizer_state = {}, {}
-        for states, by_name in _wait_all(futures).values():
-            module_state.update(states)
-            optimizer_state.update(by_name)
-        self._manager.save(step, {"modules": module_state, "optimizer": optimizer_state if optimizer else None,
-                                  "extra": extra or {}})
+        every owner (or each optimizer's, given as {key: optimizer}), and `extra` (this worker's own
+        state: the data's position, RNG) as of `step`. Every parameter an optimizer steps must belong
+        to one of `modules`. With async_save, returns once every owner's copy has arrived."""
+        module_state, optimizer_states = _gather(modules, None)[0], {}
+        for key, each in _keyed(optimizer).items():
+            optimizer_states[key] = _gather(modules, each)[1]
+        self._manager.save(step, {"modules": module_state, "optimizers": optimizer_states, "extra": extra or {}})
 
-    def load_latest(self, modules: Modules, optimizer: DistributedOptimizer | None = None) -> Checkpoint | None:
+    def load_latest(self, modules: Modules, optimizer: Optimizers = None) -> Checkpoint | None:
         """Restore the newest checkpoint that verifies into `modules` (the same keys as saved, on any
-        workers) and `optimizer`; returns its step and `extra` (as `state`), or None if there is none."""
+        workers) and `optimizer` (or {key: optimizer}, some of those saved); returns its step and
+        `extra` (as `state`), or None if there is none. Optimizers made later are restored from the
+        same checkpoint by `restore_optimizer`."""
         latest = self._manager.load_latest()
         if latest is None:
             return None
@@ -127,16 +163,23 @@ class ModelParallelCheckpoint:
         if set(modules) != set(saved["modules"]):
             raise ValueError(f"checkpoint {latest.path} holds modules {sorted(saved['modules'])}, but "
                              f"{sorted(modules)} were given to restore")
-        if optimizer is not None and saved["optimizer"] is None:
-            raise ValueError(f"checkpoint {latest.path} holds no optimizer state (it was saved without an optimizer)")
-        optimizer_state = saved["optimizer"] if optimizer is not None else None
-        futures = {}
-        for owner, (owned, optimizers) in _by_owner(modules, optimizer).items():
-            states = {key: saved["modules"][key] for key in owned}
-            mine = None if optimizer_state is None else {key: optimizer_state.get(key, {}) for key in owned}
-            futures[owner] = rpc.rpc_async(owner, _restore_state, args=(owned, states, optimizers, mine))
-        _wait_all(futures)
+        self._loaded = latest
+        _scatter(modules, saved["modules"], None, None)
+        for key, each in _keyed(optimizer).items():
+            self.restore_optimizer(modules, each, key)
         return Checkpoint(latest.step, saved["extra"], latest.path)
+
+    def restore_optimizer(self, modules: Modules, optimizer: DistributedOptimizer, key: str = _ONE) -> None:
+        """Restore `optimizer` from the checkpoint `load_latest` loaded last, where it was saved under
+        `key` (leave it out for an optimizer saved alone); `modules` name the parameters it steps
+        (they are not restored again)."""
+        if self._loaded is None:
+            raise RuntimeError("restore_optimizer restores from the checkpoint load_latest loaded: call that first")
+        saved = self._loaded.state["optimizers"]
+        if key not in saved:
+            raise ValueError(f"checkpoint {self._loaded.path} holds no optimizer saved as {key!r} (it holds "
+                             f"{sorted(saved)}; an optimizer given alone is saved as {_ONE!r})")
+        _scatter(modules, None, optimizer, saved[key])
 
     def wait(self) -> None:
         """Block until a background write has finished; raise its error if it failed."""

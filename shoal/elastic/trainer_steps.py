@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shoal.checkpoint.model_parallel import ModelParallelCheckpoint, Modules
 from shoal.optim.distributed import DistributedOptimizer
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import async_execution
@@ -48,14 +49,26 @@ class TrainerSteps:
     """Steps of `trainers` (worker names) over `samples` samples, `batch_size` per trainer per step, for
     `epochs` epochs, each in the order `torch.randperm` draws from `seed + epoch`. `applied` lists
     the batches whose steps were applied, in the order they were: which trainer gets which batch
-    depends on timing, so a run is reproduced by replaying `applied`, not by running it again."""
+    depends on timing, so a run is reproduced by replaying `applied`, not by running it again.
 
-    def __init__(self, trainers: Sequence[str], *, samples: int, batch_size: int, epochs: int, seed: int = 0) -> None:
+    With `checkpoints` and `every`, it saves `modules`, every trainer's optimizer and its own place
+    in the epochs after every `every`-th step, while the trainers of that step wait (a point where no
+    step runs); and it starts from the latest of those checkpoints if there is one. So a server that
+    is lost can be made again on another worker, which goes on from its last checkpoint: the steps
+    since are lost, and their batches are dealt out again. Each trainer's optimizer is restored at
+    its first step there."""
+
+    def __init__(self, trainers: Sequence[str], *, samples: int, batch_size: int, epochs: int, seed: int = 0,
+                 checkpoints: ModelParallelCheckpoint | None = None, modules: Modules | None = None,
+                 every: int = 0) -> None:
         if not trainers or len(set(trainers)) != len(trainers):
             raise ValueError(f"TrainerSteps needs one or more trainers, each named once, got {list(trainers)}")
         if samples < 1 or batch_size < 1 or epochs < 1:
             raise ValueError(f"TrainerSteps needs samples, batch_size and epochs of at least 1, "
                              f"got samples={samples}, batch_size={batch_size}, epochs={epochs}")
+        if checkpoints is not None and (not modules or every < 1):
+            raise ValueError(f"TrainerSteps with checkpoints needs the modules to save and every >= 1, got "
+                             f"modules={modules}, every={every}")
         self._trainers = frozenset(trainers)
         self._samples, self._batch_size, self._epochs, self._seed = samples, batch_size, epochs, seed
         self._lock = threading.Lock()
@@ -69,7 +82,11 @@ class TrainerSteps:
         self._finished = threading.Event()
         self._error: str | None = None
         self.applied: list[Batch] = []
-        self._start_epoch()
+        self._checkpoints, self._modules, self._every = checkpoints, modules or {}, every
+        self._optimizers: dict[str, DistributedOptimizer] = {}  # each trainer's, as of its latest step
+        self._unrestored: set[str] = set()  # trainers whose optimizers the checkpoint resumed from holds
+        if not self._resume():
+            self._start_epoch()
         agent = current_agent()
         for trainer in trainers:
             agent.worker(trainer)  # ValueError for a name no worker has, which would be waited for forever
@@ -101,11 +118,14 @@ class TrainerSteps:
         error of this trainer's step if it failed (its batch then goes back to the others)."""
         future: torch.futures.Future = torch.futures.Future()
         with self._lock:
+            if self._error:
+                raise RuntimeError(self._error)
             held = self._holding.get(batch.trainer)
             if held is None or held.step != batch.step:
                 raise RuntimeError(f"TrainerSteps.step: trainer {batch.trainer!r} holds no batch of step {batch.step}")
             del self._holding[batch.trainer]
             self._arrived[batch.trainer] = (held, optimizer, context_id, future)
+            self._optimizers[batch.trainer] = optimizer
             answers = self._advance()
         _answer(answers)
         return future
@@ -129,6 +149,25 @@ class TrainerSteps:
         if trainer in self._holding or trainer in self._arrived or trainer in self._idle:
             raise RuntimeError(f"TrainerSteps: trainer {trainer!r} asked for a batch before finishing its step")
 
+    def _resume(self) -> bool:
+        """Start from the latest checkpoint, if `checkpoints` hold one: the modules now, the trainers'
+        optimizers at their first steps."""
+        latest = self._checkpoints.load_latest(self._modules) if self._checkpoints is not None else None
+        if latest is None:
+            return False
+        place = latest.state["trainer_steps"]
+        self._epoch, self._step = place["epoch"], place["step"]
+        self._pending.extend(place["pending"])
+        self.applied = [Batch(*entry) for entry in place["applied"]]
+        self._unrestored = set(place["optimizers"])
+        return True
+
+    def _place(self) -> dict[str, Any]:
+        """Under the lock, between two steps: where the epochs stand, as a checkpoint keeps it."""
+        return {"epoch": self._epoch, "step": self._step, "pending": list(self._pending),
+                "applied": [(b.epoch, b.step, b.trainer, b.indices) for b in self.applied],
+                "optimizers": sorted(self._optimizers)}
+
     def _start_epoch(self) -> None:
         self._epoch += 1
         order = torch.randperm(self._samples, generator=torch.Generator().manual_seed(self._seed + self._epoch))
@@ -138,10 +177,14 @@ class TrainerSteps:
         """Under the lock: deal batches to idle trainers, and apply the step once every living
         trainer has arrived or has nothing to do; the futures to answer, outside the lock."""
         answers: list[_Answer] = []
-        if self._finished.is_set():
-            answers += [(future, None) for future in self._idle.values()]
+        if self._finished.is_set():  # done, or failed: nobody waits any longer
+            failed = RuntimeError(self._error) if self._error else None
+            answers += [(future, failed) for future in self._idle.values()]
+            answers += [(future, failed) for _, _, _, future in self._arrived.values()]
             self._idle.clear()
-        if self._applying or self._finished.is_set():
+            self._arrived.clear()
+            return answers
+        if self._applying:
             return answers
         while self._idle and self._pending:
             trainer, future = self._idle.popitem()
@@ -175,6 +218,9 @@ class TrainerSteps:
         outcomes = []
         for _, (batch, optimizer, context_id, future) in arrived:
             try:
+                if batch.trainer in self._unrestored:
+                    self._checkpoints.restore_optimizer(self._modules, optimizer, batch.trainer)
+                    self._unrestored.discard(batch.trainer)
                 optimizer.step(context_id)
             except Exception as exc:  # a lost trainer's context is gone: its step did not apply
                 outcomes.append((batch, future, exc))
@@ -183,11 +229,8 @@ class TrainerSteps:
         try:
             self._settle(outcomes)
         except BaseException as exc:  # never leave the trainers waiting for a step that will not end
-            with self._lock:
-                self._error = f"TrainerSteps: settling step {self._step} failed: {exc!r}"
-                self._finished.set()
-                waiting = [future for _, _, _, future in self._arrived.values()] + list(self._idle.values())
-            _answer([(future, RuntimeError(self._error)) for future in waiting if not future.done()])
+            answers = self._fail(f"TrainerSteps: settling step {self._step} failed: {exc!r}")
+            _answer([(future, value) for future, value in answers if not future.done()])
             raise
 
     def _settle(self, outcomes: list[tuple[Batch, torch.futures.Future, Exception | None]]) -> None:
@@ -203,8 +246,26 @@ class TrainerSteps:
                     answers.append((future, error))
             self._step += 1
             self._applying = False
+            if self._checkpoints is not None and self._step % self._every == 0:
+                place = self._place()
+                optimizers = {name: self._optimizers[name] for name in place["optimizers"]}
+            else:
+                place = None
             answers += self._advance()
+        if place is not None:  # the trainers of this step wait for their answers: no step runs
+            try:
+                self._checkpoints.save(self._step, self._modules, optimizers, extra={"trainer_steps": place})
+            except Exception as exc:  # training on would lose the steps since the last checkpoint unseen
+                error = self._fail(f"TrainerSteps: the checkpoint of step {self._step} failed: {exc!r}")
+                answers = [(future, RuntimeError(self._error)) for future, _ in answers] + error
         _answer(answers)
+
+    def _fail(self, error: str) -> list[_Answer]:
+        """End the training with `error`, which every trainer that waits, or comes to, is told."""
+        with self._lock:
+            self._error = error
+            self._finished.set()
+            return self._advance()
 
     def _lose(self, trainer: str) -> None:
         """A worker died or left: if it was a trainer, its batch not applied goes back to the others."""
