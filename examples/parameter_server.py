@@ -10,9 +10,15 @@ nothing but time: its batch goes to another trainer, and every sample is still t
 per epoch. Under `shoal run --live`, the launcher lets the others go on without it (without
 `--max-restarts`: a new worker cannot join an RPC group that is running).
 
+With --checkpoint-dir and --live, the server checkpoints the model, every trainer's optimizer and
+its place in the epochs every --checkpoint-every steps. If the server dies, the trainers make it
+again on the first of them that lives, which goes on from that checkpoint (the steps since are
+trained again) while serving and training both.
+
     shoal run --nproc-per-node 3 examples/parameter_server.py            # a server, two trainers
     shoal run --nproc-per-node 4 examples/parameter_server.py --epochs 8
     shoal run --live --nproc-per-node 4 examples/parameter_server.py    # survives lost trainers
+    shoal run --live --nproc-per-node 4 examples/parameter_server.py --checkpoint-dir ckpt --live   # and its server
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch import nn
 
 from shoal import autograd as dist_autograd
 from shoal import rpc
+from shoal.checkpoint import ModelParallelCheckpoint
 from shoal.demo import digits
 from shoal.elastic import TrainerSteps
 from shoal.optim import DistributedOptimizer
@@ -39,7 +46,10 @@ class ParameterServer:
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
         samples = len(digits()[0])
-        self.steps = TrainerSteps(trainers, samples=samples, batch_size=args.batch_size, epochs=args.epochs)
+        checkpoints = ModelParallelCheckpoint(args.checkpoint_dir, async_save=True) if args.checkpoint_dir else None
+        self.steps = TrainerSteps(trainers, samples=samples, batch_size=args.batch_size, epochs=args.epochs,
+                                  checkpoints=checkpoints, modules={"model": rpc.RRef(self.model)},
+                                  every=args.checkpoint_every)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
@@ -69,7 +79,27 @@ def parameter_server(trainers: list[str], args: argparse.Namespace) -> rpc.RRef:
 
 def train(name: str, trainers: list[str], args: argparse.Namespace,
           after_backward: Callable[[str, int], None] | None) -> None:
-    server = rpc.rpc_sync("ps", parameter_server, args=(trainers, args))
+    """Train until every epoch is done; with --live, a lost server is made again on the first trainer
+    that lives, from its last checkpoint (the same choice on every trainer)."""
+    host = "ps"
+    while True:
+        try:
+            train_with(host, name, trainers, args, after_backward)
+            break
+        except RuntimeError:  # PeerFailure, or an error a lost worker caused
+            lost = {worker.name for worker in rpc.lost_workers()}
+            if not (args.live and args.checkpoint_dir and host in lost):
+                raise
+            trainers = [trainer for trainer in trainers if trainer not in lost]
+            print(f"{name}: the server on {host} is lost; {trainers[0]} serves from its last checkpoint", flush=True)
+            host = trainers[0]
+    if host == name:
+        serve(trainers, args)
+
+
+def train_with(host: str, name: str, trainers: list[str], args: argparse.Namespace,
+               after_backward: Callable[[str, int], None] | None) -> None:
+    server = rpc.rpc_sync(host, parameter_server, args=(trainers, args))
     steps = server.rpc_sync().steps_rref()
     optimizer = DistributedOptimizer(torch.optim.SGD, server.rpc_sync().parameter_rrefs(), lr=args.lr, momentum=0.9)
     images, labels = digits()[0].tensors
@@ -104,6 +134,10 @@ def main(argv: list[str] | None = None, after_backward: Callable[[str, int], Non
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--checkpoint-dir", help="the server checkpoints here, and starts from the latest")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--live", action="store_true",
+                        help="with --checkpoint-dir: make a lost server again on a trainer and go on")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # set by `shoal run`

@@ -54,6 +54,17 @@ def test_parameter_server_goes_on_without_a_lost_trainer() -> None:
     _trained(lost.stdout, trainers=(1, 3))
 
 
+def test_parameter_server_made_again_on_a_trainer_when_lost(tmp_path: Path) -> None:
+    """The server dies after step 20 of 75 (under --live nothing is restarted); the trainers make it
+    again on trainer 1 from the checkpoint of step 20, and all three finish the five epochs."""
+    lost = _run("-m", "tests.scripts.parameter_server_with_kill", "--kill-at", "0:20", "--checkpoint-dir",
+                str(tmp_path), "--live", launcher=("--live", "--nproc-per-node", "4"))
+    assert "rank 0 was lost (signal 9); the others go on without it" in lost.stderr, lost.stderr[-2000:]
+    for trainer in (1, 2, 3):
+        assert f"trainer{trainer}: the server on ps is lost; trainer1 serves from its last checkpoint" in lost.stdout
+    _trained(lost.stdout, trainers=(1, 2, 3))
+
+
 def test_rpc_pipeline_trains_as_the_unsplit_model() -> None:
     _same_as_unsplit(_run("examples/rpc_pipeline.py", "--epochs", "4").stdout)
 

@@ -1,15 +1,19 @@
 """examples/parameter_server.py with a fault: `--kill-at RANK:STEP` SIGKILLs that trainer between its
-backward and its optimizer step in the server's step STEP, in the job's first attempt only
-(tests/faults.py); every other argument goes to the example. Run it as a module from the
-repository's root, so that `tests` can be imported:
+backward and its optimizer step in the server's step STEP, or (rank 0) the server once it has
+applied step STEP, in the job's first attempt only (tests/faults.py); every other argument goes to
+the example. Run it as a module from the repository's root, so that `tests` can be imported:
 
     shoal run --live --nproc-per-node 4 -m tests.scripts.parameter_server_with_kill --kill-at 2:20
+    shoal run --live --nproc-per-node 4 -m tests.scripts.parameter_server_with_kill --kill-at 0:20 \
+        --checkpoint-dir ckpt --live
 """
 
 import argparse
 import importlib.util
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 from tests.faults import kill_at, rank_and_step
@@ -25,4 +29,18 @@ example = importlib.util.module_from_spec(spec)
 sys.modules["parameter_server"] = example
 spec.loader.exec_module(example)
 on_step = kill_at(*args.kill_at)
+
+
+def _watch_server() -> None:
+    """On the server: the kill once it has applied step STEP."""
+    while not example._server:
+        time.sleep(0.005)
+    steps = example._server[0].local_value().steps
+    while not steps.applied or steps.applied[-1].step < args.kill_at[1]:
+        time.sleep(0.005)
+    on_step(0, args.kill_at[1])
+
+
+if int(os.environ["RANK"]) == 0:
+    threading.Thread(target=_watch_server, daemon=True).start()
 example.main(rest, after_backward=lambda trainer, step: on_step(int(os.environ["RANK"]), step))
