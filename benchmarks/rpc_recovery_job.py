@@ -2,12 +2,16 @@
 trainers train an MLP on the digits over RPC with distributed autograd and a DistributedOptimizer.
 
 `--impl shoal` (under `shoal run --live`): the server runs the steps with TrainerSteps, so the other
-trainers go on without a lost one. `--impl torch` (under torchrun --max-restarts 1): the same job on
-torch.distributed.rpc, the trainers held in step by a barrier on the server, as PyTorch's parameter
-server examples are; a lost trainer ends the job, and torchrun starts it again from the beginning.
+trainers go on without a lost one; with `--victim server`, it checkpoints every `--every` steps and
+the trainers make it again on trainer1 when it dies. `--impl torch` (under torchrun --max-restarts
+1): the same job on torch.distributed.rpc, the trainers held in step by a barrier on the server, as
+PyTorch's parameter server examples are; a lost trainer ends the job, and torchrun starts it again
+from the beginning.
 
-Trainer rank 2 prints `death T` and SIGKILLs itself between its backward and its step in step
-`--kill-at`, in the first attempt; every trainer prints `applied S T` once its step S is applied.
+Trainer rank 2 (or with `--victim server`, the server) prints `death T` and SIGKILLs itself in step
+`--kill-at` (a trainer between its backward and its step; the server once it has applied it), in
+the first attempt; every trainer prints `applied S T` once its step S is applied (shoal: `applied S T
+on HOST`, HOST the server's worker).
 """
 
 from __future__ import annotations
@@ -37,21 +41,29 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def _maybe_die(rank: int, step: int, kill_at: int) -> None:
-    if rank == 2 and step == kill_at and _first_attempt():
-        print(f"death {time.time():.6f}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+def _die() -> None:
+    print(f"death {time.time():.6f}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _maybe_die(rank: int, step: int, args: argparse.Namespace) -> None:
+    if args.victim == "trainer" and rank == 2 and step == args.kill_at and _first_attempt():
+        _die()
 
 
 class Server:
     """The model, and (shoal) TrainerSteps or (torch) a barrier for the trainers."""
 
-    def __init__(self, impl: str, steps: int) -> None:
+    def __init__(self, impl: str, trainers: list[str], args: argparse.Namespace, rref_class: type) -> None:
         self.model = _model()
         if impl == "shoal":
+            from shoal.checkpoint import ModelParallelCheckpoint
             from shoal.elastic import TrainerSteps
 
-            self.steps = TrainerSteps(TRAINERS, samples=BATCH * len(TRAINERS) * steps, batch_size=BATCH, epochs=1)
+            checkpoints = ModelParallelCheckpoint(args.checkpoint_dir, async_save=True) if args.checkpoint_dir else None
+            self.steps = TrainerSteps(trainers, samples=BATCH * len(TRAINERS) * args.steps, batch_size=BATCH, epochs=1,
+                                      checkpoints=checkpoints, modules={"model": rref_class(self.model)},
+                                      every=args.every)
         self.lock = threading.Lock()
         self.arrived = 0
         self.everyone_arrived = torch.futures.Future()
@@ -76,11 +88,19 @@ _server: list = []
 _made = threading.Lock()
 
 
-def server(impl: str, steps: int, rref_class: type) -> object:
+def server(impl: str, trainers: list[str], args: argparse.Namespace, rref_class: type) -> object:
     with _made:
         if not _server:
-            _server.append(rref_class(Server(impl, steps)))
+            _server.append(rref_class(Server(impl, trainers, args, rref_class)))
         return _server[0]
+
+
+def _die_after(kill_at: int) -> None:
+    """On the server: the kill once step `kill_at` is applied."""
+    steps = _server[0].local_value().steps
+    while not steps.applied or steps.applied[-1].step < kill_at:
+        time.sleep(0.001)
+    _die()
 
 
 def _steps_of(server_rref: object) -> object:
@@ -97,14 +117,33 @@ def _barrier(server_rref: object) -> torch.futures.Future:
 
 
 def train_shoal(rank: int, args: argparse.Namespace) -> None:
+    """With a lost server, its trainers make it again on the first of them that lives."""
+    from shoal import rpc
+
+    if args.victim == "server":  # as examples/parameter_server.py does: see there
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    host, trainers = "ps", TRAINERS
+    while True:
+        try:
+            train_shoal_with(host, trainers, rank, args)
+            return
+        except RuntimeError:
+            lost = {worker.name for worker in rpc.lost_workers()}
+            if host not in lost:
+                raise
+            trainers = [trainer for trainer in trainers if trainer not in lost]
+            host = trainers[0]
+
+
+def train_shoal_with(host: str, trainers: list[str], rank: int, args: argparse.Namespace) -> None:
     from shoal import autograd as dist_autograd
     from shoal import rpc
     from shoal.optim import DistributedOptimizer
 
     images, labels = digits()[0].tensors
-    ps = rpc.rpc_sync("ps", server, args=("shoal", args.steps, rpc.RRef))
-    steps = rpc.remote("ps", _steps_of, args=(ps,))
-    optimizer = DistributedOptimizer(torch.optim.SGD, rpc.rpc_sync("ps", _parameters_of, args=(ps, rpc.RRef)),
+    ps = rpc.rpc_sync(host, server, args=("shoal", trainers, args, rpc.RRef))
+    steps = rpc.remote(host, _steps_of, args=(ps,))
+    optimizer = DistributedOptimizer(torch.optim.SGD, rpc.rpc_sync(host, _parameters_of, args=(ps, rpc.RRef)),
                                      lr=0.05, momentum=0.9)
     name = TRAINERS[rank - 1]
     while (batch := steps.rpc_sync().next_batch(name)) is not None:
@@ -112,9 +151,9 @@ def train_shoal(rank: int, args: argparse.Namespace) -> None:
         with dist_autograd.context() as context_id:
             loss = nn.functional.cross_entropy(ps.rpc_sync().forward(images[indices]), labels[indices])
             dist_autograd.backward(context_id, [loss])
-            _maybe_die(rank, batch.step, args.kill_at)
+            _maybe_die(rank, batch.step, args)
             steps.rpc_sync().step(batch, optimizer, context_id)
-        print(f"applied {batch.step} {time.time():.6f}", flush=True)
+        print(f"applied {batch.step} {time.time():.6f} on {host}", flush=True)
 
 
 def train_torch(rank: int, args: argparse.Namespace) -> None:
@@ -123,7 +162,7 @@ def train_torch(rank: int, args: argparse.Namespace) -> None:
     from torch.distributed.optim import DistributedOptimizer
 
     images, labels = digits()[0].tensors
-    ps = rpc.rpc_sync("ps", server, args=("torch", args.steps, rpc.RRef))
+    ps = rpc.rpc_sync("ps", server, args=("torch", TRAINERS, args, rpc.RRef))
     optimizer = DistributedOptimizer(torch.optim.SGD, rpc.rpc_sync("ps", _parameters_of, args=(ps, rpc.RRef)),
                                      lr=0.05, momentum=0.9)
     order = torch.randperm(BATCH * len(TRAINERS) * args.steps, generator=torch.Generator().manual_seed(0))
@@ -132,7 +171,7 @@ def train_torch(rank: int, args: argparse.Namespace) -> None:
         with dist_autograd.context() as context_id:
             loss = nn.functional.cross_entropy(ps.rpc_sync().forward(images[chosen]), labels[chosen])
             dist_autograd.backward(context_id, [loss])
-            _maybe_die(rank, step, args.kill_at)
+            _maybe_die(rank, step, args)
             rpc.rpc_sync("ps", _barrier, args=(ps,))
             optimizer.step(context_id)
             rpc.rpc_sync("ps", _barrier, args=(ps,))
@@ -144,7 +183,12 @@ def main() -> None:
     parser.add_argument("--impl", choices=["shoal", "torch"], required=True)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-at", type=int, default=20)
+    parser.add_argument("--victim", choices=["trainer", "server"], default="trainer")
+    parser.add_argument("--checkpoint-dir", help="--impl shoal: the server checkpoints here")
+    parser.add_argument("--every", type=int, default=5, help="steps between the server's checkpoints")
     args = parser.parse_args()
+    if args.victim == "server" and (args.impl != "shoal" or args.checkpoint_dir is None):
+        parser.error("--victim server needs --impl shoal and --checkpoint-dir")
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.impl == "shoal":
@@ -152,6 +196,9 @@ def main() -> None:
     else:
         import torch.distributed.rpc as rpc
     rpc.init_rpc("ps" if rank == 0 else TRAINERS[rank - 1], rank=rank, world_size=world)
+    if rank == 0 and args.victim == "server" and _first_attempt():
+        server(args.impl, TRAINERS, args, rpc.RRef)
+        threading.Thread(target=_die_after, args=(args.kill_at,), daemon=True).start()
     if rank > 0:
         (train_shoal if args.impl == "shoal" else train_torch)(rank, args)
     rpc.shutdown()

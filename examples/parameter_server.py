@@ -81,6 +81,8 @@ def train(name: str, trainers: list[str], args: argparse.Namespace,
           after_backward: Callable[[str, int], None] | None) -> None:
     """Train until every epoch is done; with --live, a lost server is made again on the first trainer
     that lives, from its last checkpoint (the same choice on every trainer)."""
+    if args.live:  # torch imports torch._dynamo (a second or more) where a process makes its first optimizer:
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # not while the others wait for this one
     host = "ps"
     while True:
         try:
