@@ -122,6 +122,8 @@ def train(args: argparse.Namespace) -> None:
     reference = Reference(args.lr)
     checkpoints = ModelParallelCheckpoint(args.checkpoint_dir, async_save=True) if args.checkpoint_dir else None
     first_epoch = resume(checkpoints, model, optimizer, reference)
+    if checkpoints and first_epoch == 0:  # so that a shard lost in epoch 0 is rebuilt as the others are reset
+        checkpoints.save(0, model.shards(), optimizer, extra=reference.state_dict())
     while True:
         try:
             train_epochs(args, range(first_epoch, args.epochs), model, optimizer, reference, checkpoints)
@@ -152,7 +154,8 @@ def resume(checkpoints: ModelParallelCheckpoint | None, model: PipelinedModel, o
     if latest is None:
         return 0
     reference.load_state_dict(latest.state)
-    print(f"resuming from {latest.path.name}: epoch {latest.step}", flush=True)
+    if latest.step > 0:
+        print(f"resuming from {latest.path.name}: epoch {latest.step}", flush=True)
     return latest.step
 
 

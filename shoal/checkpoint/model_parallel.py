@@ -92,10 +92,23 @@ def _by_owner(modules: Modules, optimizer: DistributedOptimizer | None) -> dict[
     return dict(placement)
 
 
+def _on(owner: str, fn: Any, args: tuple) -> torch.futures.Future:
+    """`fn(*args)` on `owner`: here without an RPC when that is this worker, so that a checkpoint
+    taken or loaded inside an RPC handler does not wait for a second thread of the pool."""
+    if owner != rpc.get_worker_info().name:
+        return rpc.rpc_async(owner, fn, args=args)
+    done: torch.futures.Future = torch.futures.Future()
+    try:
+        done.set_result(fn(*args))
+    except Exception as exc:
+        done.set_exception(exc)
+    return done
+
+
 def _gather(modules: Modules, optimizer: DistributedOptimizer | None) -> tuple[dict, dict]:
     """Every owner's copy of its modules' state (with no `optimizer`), or of `optimizer`'s state
     there, by the names of its parameters in `modules`."""
-    futures = {owner: rpc.rpc_async(owner, _copy_state, args=(owned, optimizers, optimizer is None))
+    futures = {owner: _on(owner, _copy_state, (owned, optimizers, optimizer is None))
                for owner, (owned, optimizers) in _by_owner(modules, optimizer).items()}
     module_state, optimizer_state = {}, {}
     for states, by_name in _wait_all(futures).values():
@@ -111,9 +124,8 @@ def _scatter(modules: Modules, module_state: dict | None, optimizer: Distributed
     for owner, (owned, optimizers) in _by_owner(modules, optimizer).items():
         states = {key: module_state[key] for key in owned} if module_state is not None else {}
         mine = None if optimizer_state is None else {key: optimizer_state.get(key, {}) for key in owned}
-        futures[owner] = rpc.rpc_async(owner, _restore_state,
-                                       args=(owned if module_state is not None else {}, states, optimizers, mine,
-                                             owned))
+        futures[owner] = _on(owner, _restore_state,
+                             (owned if module_state is not None else {}, states, optimizers, mine, owned))
     _wait_all(futures)
 
 

@@ -56,7 +56,8 @@ class TrainerSteps:
     step runs); and it starts from the latest of those checkpoints if there is one. So a server that
     is lost can be made again on another worker, which goes on from its last checkpoint: the steps
     since are lost, and their batches are dealt out again. Each trainer's optimizer is restored at
-    its first step there."""
+    its first step there; one that has not stepped there yet is left out of the checkpoints taken
+    meanwhile. A checkpoint of another run (other samples, batch size, epochs or seed) is refused."""
 
     def __init__(self, trainers: Sequence[str], *, samples: int, batch_size: int, epochs: int, seed: int = 0,
                  checkpoints: ModelParallelCheckpoint | None = None, modules: Modules | None = None,
@@ -83,7 +84,8 @@ class TrainerSteps:
         self._error: str | None = None
         self.applied: list[Batch] = []
         self._checkpoints, self._modules, self._every = checkpoints, modules or {}, every
-        self._optimizers: dict[str, DistributedOptimizer] = {}  # each trainer's, as of its latest step
+        self._stepped: dict[str, DistributedOptimizer] = {}  # each trainer's, as of its latest step
+        self._optimizers: dict[str, DistributedOptimizer] = {}  # ... as of its latest step applied
         self._unrestored: set[str] = set()  # trainers whose optimizers the checkpoint resumed from holds
         if not self._resume():
             self._start_epoch()
@@ -101,8 +103,8 @@ class TrainerSteps:
     @async_execution
     def next_batch(self, trainer: str) -> torch.futures.Future:
         """`trainer`'s batch of the next step, or None once every epoch is trained. Answers once
-        the step before has been applied for every trainer in it: call it with an RPC timeout longer
-        than a step of the slowest trainer."""
+        the step before has been applied for every trainer in it (and checkpointed, when due): call it
+        with an RPC timeout longer than a step of the slowest trainer and a checkpoint."""
         future: torch.futures.Future = torch.futures.Future()
         with self._lock:
             self._check_free(trainer)
@@ -125,7 +127,7 @@ class TrainerSteps:
                 raise RuntimeError(f"TrainerSteps.step: trainer {batch.trainer!r} holds no batch of step {batch.step}")
             del self._holding[batch.trainer]
             self._arrived[batch.trainer] = (held, optimizer, context_id, future)
-            self._optimizers[batch.trainer] = optimizer
+            self._stepped[batch.trainer] = optimizer
             answers = self._advance()
         _answer(answers)
         return future
@@ -155,18 +157,26 @@ class TrainerSteps:
         latest = self._checkpoints.load_latest(self._modules) if self._checkpoints is not None else None
         if latest is None:
             return False
-        place = latest.state["trainer_steps"]
+        place = latest.state.get("trainer_steps")
+        if place is None or place["run"] != self._run():
+            raise ValueError(f"TrainerSteps: checkpoint {latest.path} is not of this run "
+                             f"({place['run'] if place else 'no TrainerSteps in it'}, not {self._run()}): "
+                             f"give each run a directory of its own")
         self._epoch, self._step = place["epoch"], place["step"]
         self._pending.extend(place["pending"])
         self.applied = [Batch(*entry) for entry in place["applied"]]
         self._unrestored = set(place["optimizers"])
         return True
 
+    def _run(self) -> dict[str, int]:
+        return {"samples": self._samples, "batch_size": self._batch_size, "epochs": self._epochs, "seed": self._seed}
+
     def _place(self) -> dict[str, Any]:
-        """Under the lock, between two steps: where the epochs stand, as a checkpoint keeps it."""
-        return {"epoch": self._epoch, "step": self._step, "pending": list(self._pending),
+        """Under the lock, between two steps: where the epochs stand, as a checkpoint keeps it, with the
+        optimizers of the living trainers that have stepped here."""
+        return {"run": self._run(), "epoch": self._epoch, "step": self._step, "pending": list(self._pending),
                 "applied": [(b.epoch, b.step, b.trainer, b.indices) for b in self.applied],
-                "optimizers": sorted(self._optimizers)}
+                "optimizers": sorted(name for name in self._optimizers if name in self._living)}
 
     def _start_epoch(self) -> None:
         self._epoch += 1
@@ -234,30 +244,35 @@ class TrainerSteps:
             raise
 
     def _settle(self, outcomes: list[tuple[Batch, torch.futures.Future, Exception | None]]) -> None:
+        """The step's outcomes recorded, a checkpoint taken if one is due (still `_applying`, so no
+        batch is dealt and no step starts meanwhile), then the trainers answered."""
         answers: list[_Answer] = []
         with self._lock:
             for batch, future, error in outcomes:
                 del self._arrived[batch.trainer]
                 if error is None:
                     self.applied.append(batch)
+                    self._optimizers[batch.trainer] = self._stepped[batch.trainer]
                 else:
                     self._pending.appendleft(batch.indices)
                 if batch.trainer in self._living:
                     answers.append((future, error))
             self._step += 1
-            self._applying = False
-            if self._checkpoints is not None and self._step % self._every == 0:
-                place = self._place()
-                optimizers = {name: self._optimizers[name] for name in place["optimizers"]}
-            else:
-                place = None
-            answers += self._advance()
+            place = self._place() if self._checkpoints is not None and self._step % self._every == 0 else None
+            if place is None:
+                self._applying = False
+                answers += self._advance()
         if place is not None:  # the trainers of this step wait for their answers: no step runs
+            optimizers = {name: self._optimizers[name] for name in place["optimizers"]}
             try:
-                self._checkpoints.save(self._step, self._modules, optimizers, extra={"trainer_steps": place})
+                self._checkpoints.save(place["step"], self._modules, optimizers, extra={"trainer_steps": place})
             except Exception as exc:  # training on would lose the steps since the last checkpoint unseen
-                error = self._fail(f"TrainerSteps: the checkpoint of step {self._step} failed: {exc!r}")
-                answers = [(future, RuntimeError(self._error)) for future, _ in answers] + error
+                failed = self._fail(f"TrainerSteps: the checkpoint of step {place['step']} failed: {exc!r}")
+                answers = [(future, RuntimeError(self._error)) for future, _ in answers] + failed
+            else:
+                with self._lock:
+                    self._applying = False
+                    answers += self._advance()
         _answer(answers)
 
     def _fail(self, error: str) -> list[_Answer]:

@@ -76,7 +76,7 @@ class _LocalOptimizer:
                                  f"({[entry['group'] for entry in entries]}): group them as they were saved")
             for entry in entries:
                 if entry["state"]:
-                    state[index] = entry["state"]
+                    state[index] = _copied(entry["state"])  # torch may keep the tensors it is given
                 index += 1
             groups.append({**entries[0]["group"], "params": list(range(index - len(entries), index))})
         with _stepping:
