@@ -1,6 +1,6 @@
-"""Recovery of a model-parallel job from a lost trainer.
+"""Recovery of a model-parallel job from a lost trainer or a lost server.
 
-    python benchmarks/rpc_recovery.py         # or: shoal bench rpc-recovery [--trials 10] [--only shoal|torch]
+    python benchmarks/rpc_recovery.py     # or: shoal bench rpc-recovery [--trials 10] [--only shoal|shoal-server|torch]
 
 A parameter server and three trainers (benchmarks/rpc_recovery_job.py); trainer rank 2 SIGKILLs
 itself between its backward and its step, at a step drawn at random, once per trial.
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=120, help="seconds after which a trial counts as failed")
     parser.add_argument("--only", choices=["shoal", "shoal-server", "torch"], help="run one case only")
     args = parser.parse_args(argv)
-    print("| lost trainer | recovered | median death to next step applied | median death to its batch applied | "
+    print("| lost worker | recovered | median death to next step applied | median death to the lost step applied | "
           "next step, every trial |\n|---|---|---|---|---|")
     for impl, label in (("shoal", "shoal run --live, TrainerSteps"),
                         ("shoal-server", "shoal run --live, the server lost, made again from its checkpoint"),

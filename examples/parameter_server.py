@@ -10,10 +10,10 @@ nothing but time: its batch goes to another trainer, and every sample is still t
 per epoch. Under `shoal run --live`, the launcher lets the others go on without it (without
 `--max-restarts`: a new worker cannot join an RPC group that is running).
 
-With --checkpoint-dir and --live, the server checkpoints the model, every trainer's optimizer and
-its place in the epochs every --checkpoint-every steps. If the server dies, the trainers make it
-again on the first of them that lives, which goes on from that checkpoint (the steps since are
-trained again) while serving and training both.
+With --checkpoint-dir, the server checkpoints the model, the trainers' optimizers and its place in
+the epochs every --checkpoint-every steps. With --live as well, if the server dies, the trainers
+make it again on the first of them that lives, which goes on from that checkpoint (the steps since
+are trained again) while serving and training both.
 
     shoal run --nproc-per-node 3 examples/parameter_server.py            # a server, two trainers
     shoal run --nproc-per-node 4 examples/parameter_server.py --epochs 8
@@ -79,8 +79,8 @@ def parameter_server(trainers: list[str], args: argparse.Namespace) -> rpc.RRef:
 
 def train(name: str, trainers: list[str], args: argparse.Namespace,
           after_backward: Callable[[str, int], None] | None) -> None:
-    """Train until every epoch is done; with --live, a lost server is made again on the first trainer
-    that lives, from its last checkpoint (the same choice on every trainer)."""
+    """Train until every epoch is done; with --live and --checkpoint-dir, a lost server is made again
+    on the first trainer not known to be lost, from its last checkpoint."""
     if args.live:  # torch imports torch._dynamo (a second or more) where a process makes its first optimizer:
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # not while the others wait for this one
     host = "ps"

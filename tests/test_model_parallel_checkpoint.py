@@ -1,7 +1,7 @@
 """ModelParallelCheckpoint between real workers: a model on four workers (one module local to the
 trainer, three RemoteModules) saved mid-training with Adam's state, restored by a job of three
-workers that places the modules differently, trains on to exactly the parameters of the run that
-was never interrupted (float64)."""
+workers that places the modules differently, trains on to the parameters of the run that was never
+interrupted (float64, to 1e-12)."""
 
 from __future__ import annotations
 

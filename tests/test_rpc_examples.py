@@ -55,8 +55,9 @@ def test_parameter_server_goes_on_without_a_lost_trainer() -> None:
 
 
 def test_parameter_server_made_again_on_a_trainer_when_lost(tmp_path: Path) -> None:
-    """The server dies after step 20 of 75 (under --live nothing is restarted); the trainers make it
-    again on trainer 1 from the checkpoint of step 20, and all three finish the five epochs."""
+    """The server dies once it has applied its 21st step of 75 and the checkpoint after 20 is on disk
+    (under --live nothing is restarted); the trainers make it again on trainer 1 from that checkpoint,
+    and all three finish the five epochs."""
     lost = _run("-m", "tests.scripts.parameter_server_with_kill", "--kill-at", "0:20", "--checkpoint-dir",
                 str(tmp_path), "--live", launcher=("--live", "--nproc-per-node", "4"))
     assert "rank 0 was lost (signal 9); the others go on without it" in lost.stderr, lost.stderr[-2000:]

@@ -145,7 +145,7 @@ def test_trainers_are_named_once() -> None:
 
 # ---- the server lost: made again on a trainer, from its last checkpoint -----------------------------
 
-EVERY, SERVER_DIES_AFTER = 2, 20  # a checkpoint every 2 steps (6 batches); the server dies after 20 batches
+EVERY, SERVER_DIES_AFTER = 2, 20  # a checkpoint every 2 steps (6 batches); the server dies once 20 are applied
 _failover: dict = {}
 
 
@@ -189,6 +189,11 @@ def _train_through_failover(rank: int, world: int, directory: str) -> tuple | No
         return None
     steps = _failover["steps"]
     steps.wait(timeout=90)
+    fresh = _model()
+    with pytest.raises(ValueError, match="not of this run"):  # another seed: refused before it restores anything
+        TrainerSteps(TRAINERS, samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS, seed=6,
+                     checkpoints=ModelParallelCheckpoint(directory), modules={"model": rpc.RRef(fresh)}, every=EVERY)
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), _model().parameters(), strict=True))
     applied = [(b.step, b.epoch, b.trainer, b.indices.tolist()) for b in steps.applied]
     return [p.detach().clone() for p in _failover["model"].parameters()], applied, _failover["resumed_with"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -163,15 +163,19 @@ class ModelParallelCheckpoint:
             optimizer_states[key] = _gather(modules, each)[1]
         self._manager.save(step, {"modules": module_state, "optimizers": optimizer_states, "extra": extra or {}})
 
-    def load_latest(self, modules: Modules, optimizer: Optimizers = None) -> Checkpoint | None:
+    def load_latest(self, modules: Modules, optimizer: Optimizers = None, *,
+                    accept: Callable[[Checkpoint], None] | None = None) -> Checkpoint | None:
         """Restore the newest checkpoint that verifies into `modules` (the same keys as saved, on any
         workers) and `optimizer` (or {key: optimizer}, some of those saved); returns its step and
-        `extra` (as `state`), or None if there is none. Optimizers made later are restored from the
+        `extra` (as `state`), or None if there is none. `accept` sees that before anything is
+        restored, and refuses the checkpoint by raising. Optimizers made later are restored from the
         same checkpoint by `restore_optimizer`."""
         latest = self._manager.load_latest()
         if latest is None:
             return None
         saved = latest.state
+        if accept is not None:
+            accept(Checkpoint(latest.step, saved["extra"], latest.path))
         if set(modules) != set(saved["modules"]):
             raise ValueError(f"checkpoint {latest.path} holds modules {sorted(saved['modules'])}, but "
                              f"{sorted(modules)} were given to restore")

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shoal.checkpoint.manager import Checkpoint
 from shoal.checkpoint.model_parallel import ModelParallelCheckpoint, Modules
 from shoal.optim.distributed import DistributedOptimizer
 from shoal.rpc.current import current_agent
@@ -154,19 +155,24 @@ class TrainerSteps:
     def _resume(self) -> bool:
         """Start from the latest checkpoint, if `checkpoints` hold one: the modules now, the trainers'
         optimizers at their first steps."""
-        latest = self._checkpoints.load_latest(self._modules) if self._checkpoints is not None else None
+        if self._checkpoints is None:
+            return False
+        latest = self._checkpoints.load_latest(self._modules, accept=self._check_run)
         if latest is None:
             return False
-        place = latest.state.get("trainer_steps")
-        if place is None or place["run"] != self._run():
-            raise ValueError(f"TrainerSteps: checkpoint {latest.path} is not of this run "
-                             f"({place['run'] if place else 'no TrainerSteps in it'}, not {self._run()}): "
-                             f"give each run a directory of its own")
+        place = latest.state["trainer_steps"]
         self._epoch, self._step = place["epoch"], place["step"]
         self._pending.extend(place["pending"])
         self.applied = [Batch(*entry) for entry in place["applied"]]
         self._unrestored = set(place["optimizers"])
         return True
+
+    def _check_run(self, latest: Checkpoint) -> None:
+        place = latest.state.get("trainer_steps")
+        if place is None or place["run"] != self._run():
+            raise ValueError(f"TrainerSteps: checkpoint {latest.path} is not of this run "
+                             f"({place['run'] if place else 'no TrainerSteps in it'}, not {self._run()}): "
+                             f"give each run a directory of its own")
 
     def _run(self) -> dict[str, int]:
         return {"samples": self._samples, "batch_size": self._batch_size, "epochs": self._epochs, "seed": self._seed}
