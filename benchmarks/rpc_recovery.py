@@ -1,6 +1,6 @@
 """Recovery of a model-parallel job from a lost trainer or a lost server.
 
-    python benchmarks/rpc_recovery.py     # or: shoal bench rpc-recovery [--trials 10] [--only shoal|shoal-server|torch]
+    python benchmarks/rpc_recovery.py     # or: shoal bench rpc-recovery [--trials 10] [--only CASE]
 
 A parameter server and three trainers (benchmarks/rpc_recovery_job.py); trainer rank 2 SIGKILLs
 itself between its backward and its step, at a step drawn at random, once per trial.
@@ -9,6 +9,10 @@ itself between its backward and its step, at a step drawn at random, once per tr
 - shoal-server: the server dies instead, once it has applied that step; it checkpoints every 5
   steps, and the trainers make it again on trainer1 from the latest. Reported: from the death to
   the first step applied there, and to the step it died in being applied again.
+- shoal-replica: the server dies as in shoal-server, with no checkpoints but a live replica on trainer1
+  (`replicas=1`), from which trainer1 makes it again: nothing that was applied is lost.
+- replication-cost: no worker dies; the job with `replicas=1` and without, in turns. Reported: the
+  time per step of each (median of the runs), and what the replica adds to a step.
 - torch (torchrun --max-restarts 1, torch.distributed.rpc): torch's RPC has no recovery; torchrun
   starts the whole job again. Reported: whether it finished, and from the death to the first step
   applied after the restart (which starts again from step 0).
@@ -29,17 +33,22 @@ from pathlib import Path
 
 JOB = Path(__file__).resolve().parent / "rpc_recovery_job.py"
 STEPS = 40
+COST_STEPS = 200  # of the runs without faults, so that a run's start and noise weigh less
 
 
-def _run(impl: str, kill_at: int, timeout: float) -> str | None:
-    """The job of `impl`, one worker killed at `kill_at`: its output, or None if it did not finish."""
+def _run(impl: str, kill_at: int, timeout: float, steps: int = STEPS) -> str | None:
+    """The job of `impl`, one worker killed at `kill_at` (none if -1): its output, or None if it did not finish."""
     launcher = (["-m", "torch.distributed.run", "--max-restarts", "1"] if impl == "torch" else
                 ["-m", "shoal.run", "--live"])
-    command = [sys.executable, *launcher, "--nproc-per-node", "4", str(JOB), "--impl", impl.removesuffix("-server"),
-               "--steps", str(STEPS), "--kill-at", str(kill_at)]
+    command = [sys.executable, *launcher, "--nproc-per-node", "4", str(JOB), "--impl", impl.split("-")[0],
+               "--steps", str(steps), "--kill-at", str(kill_at)]
     with tempfile.TemporaryDirectory() as directory:
         if impl == "shoal-server":
             command += ["--victim", "server", "--checkpoint-dir", directory]
+        elif impl == "shoal-replica":
+            command += ["--victim", "server", "--replicas", "1"]
+        elif impl.startswith("shoal-replicas-"):  # no victim: the cost of replicas in a run without faults
+            command += ["--replicas", impl.removeprefix("shoal-replicas-")]
         return _communicate(impl, kill_at, command, timeout)
 
 
@@ -82,7 +91,7 @@ def trial(impl: str, timeout: float) -> tuple[float, float] | None:
     if impl == "shoal":  # the step goes on without the lost trainer; its batch is taken in the next one
         first = _applied(out, death, range(kill_at, kill_at + 1))
         redone = _applied(out, death, range(kill_at + 1, STEPS))
-    elif impl == "shoal-server":  # from the last checkpoint: any step first, then the one it died after
+    elif impl in ("shoal-server", "shoal-replica"):  # any step first, then the one it died after
         first = _applied(out, death, range(STEPS), by="trainer1")
         redone = _applied(out, death, range(kill_at, STEPS), by="trainer1")
     else:  # the job starts again from step 0 and takes the lost step again at kill_at
@@ -92,25 +101,56 @@ def trial(impl: str, timeout: float) -> tuple[float, float] | None:
     return first - death, redone - death
 
 
+def step_time(replicas: int, timeout: float) -> float | None:
+    """Seconds per step of a run without faults, with `replicas`: from the first step applied to the last."""
+    if (out := _run(f"shoal-replicas-{replicas}", -1, timeout, COST_STEPS)) is None:
+        return None
+    applied: dict[int, float] = {}
+    for step, t in re.findall(r"applied (\d+) (\d+\.\d{6})", out):
+        applied[int(step)] = min(float(t), applied.get(int(step), float("inf")))  # its first trainer to hear
+    return (applied[COST_STEPS - 1] - applied[0]) / (COST_STEPS - 1)
+
+
+def replication_cost(trials: int, timeout: float) -> None:
+    runs: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(trials):
+        for replicas in runs:
+            if (seconds := step_time(replicas, timeout)) is not None:
+                runs[replicas].append(seconds)
+    if not all(runs.values()):
+        print("| replication cost | - | - | - | (failed) |")
+        return
+    without, with_replica = (statistics.median(runs[r]) for r in (0, 1))
+    print(f"\n| time per step, {COST_STEPS} steps | no replica | replicas=1 | added | every run, ms (none; one) |\n"
+          f"|---|---|---|---|---|\n| shoal, TrainerSteps | {without * 1e3:.2f} ms | {with_replica * 1e3:.2f} ms | "
+          f"{(with_replica / without - 1) * 100:+.1f}% | {', '.join(f'{t * 1e3:.1f}' for t in runs[0])}; "
+          f"{', '.join(f'{t * 1e3:.1f}' for t in runs[1])} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=120, help="seconds after which a trial counts as failed")
-    parser.add_argument("--only", choices=["shoal", "shoal-server", "torch"], help="run one case only")
+    parser.add_argument("--only", choices=["shoal", "shoal-server", "shoal-replica", "torch", "replication-cost"],
+                        help="run one case only")
     args = parser.parse_args(argv)
-    print("| lost worker | recovered | median death to next step applied | median death to the lost step applied | "
-          "next step, every trial |\n|---|---|---|---|---|")
-    for impl, label in (("shoal", "shoal run --live, TrainerSteps"),
-                        ("shoal-server", "shoal run --live, the server lost, made again from its checkpoint"),
-                        ("torch", "torchrun --max-restarts 1, torch.distributed.rpc")):
-        if args.only not in (None, impl):
-            continue
+    cases = [(impl, label) for impl, label in (
+        ("shoal", "shoal run --live, TrainerSteps"),
+        ("shoal-server", "shoal run --live, the server lost, made again from its checkpoint"),
+        ("shoal-replica", "shoal run --live, the server lost, made again from its replica"),
+        ("torch", "torchrun --max-restarts 1, torch.distributed.rpc")) if args.only in (None, impl)]
+    if cases:
+        print("| lost worker | recovered | median death to next step applied | median death to the lost step applied | "
+              "next step, every trial |\n|---|---|---|---|---|")
+    for impl, label in cases:
         results = [trial(impl, args.timeout) for _ in range(args.trials)]
         ok = [r for r in results if r is not None]
         first = f"{statistics.median(r[0] for r in ok):.3f} s" if ok else "-"
         redone = f"{statistics.median(r[1] for r in ok):.3f} s" if ok else "-"
         print(f"| {label} | {len(ok)} of {len(results)} | {first} | {redone} | "
               f"{', '.join(f'{r[0]:.3f}' for r in ok)} |", flush=True)
+    if args.only in (None, "replication-cost"):
+        replication_cost(args.trials, args.timeout)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 trainers train an MLP on the digits over RPC with distributed autograd and a DistributedOptimizer.
 
 `--impl shoal` (under `shoal run --live`): the server runs the steps with TrainerSteps, so the other
-trainers go on without a lost one; with `--victim server`, it checkpoints every `--every` steps and
-the trainers make it again on trainer1 when it dies. `--impl torch` (under torchrun --max-restarts
+trainers go on without a lost one; with `--victim server`, it checkpoints every `--every` steps (with
+`--checkpoint-dir`) or replicates to trainer1 after every step (`--replicas 1`), and the trainers
+make it again on trainer1 when it dies. `--impl torch` (under torchrun --max-restarts
 1): the same job on torch.distributed.rpc, the trainers held in step by a barrier on the server, as
 PyTorch's parameter server examples are; a lost trainer ends the job, and torchrun starts it again
 from the beginning.
@@ -63,7 +64,7 @@ class Server:
             checkpoints = ModelParallelCheckpoint(args.checkpoint_dir, async_save=True) if args.checkpoint_dir else None
             self.steps = TrainerSteps(trainers, samples=BATCH * len(TRAINERS) * args.steps, batch_size=BATCH, epochs=1,
                                       checkpoints=checkpoints, modules={"model": rref_class(self.model)},
-                                      every=args.every)
+                                      every=args.every, replicas=args.replicas)
         self.lock = threading.Lock()
         self.arrived = 0
         self.everyone_arrived = torch.futures.Future()
@@ -186,9 +187,10 @@ def main() -> None:
     parser.add_argument("--victim", choices=["trainer", "server"], default="trainer")
     parser.add_argument("--checkpoint-dir", help="--impl shoal: the server checkpoints here")
     parser.add_argument("--every", type=int, default=5, help="steps between the server's checkpoints")
+    parser.add_argument("--replicas", type=int, default=0, help="--impl shoal: trainers the server replicates to")
     args = parser.parse_args()
-    if args.victim == "server" and (args.impl != "shoal" or args.checkpoint_dir is None):
-        parser.error("--victim server needs --impl shoal and --checkpoint-dir")
+    if args.victim == "server" and (args.impl != "shoal" or not (args.checkpoint_dir or args.replicas)):
+        parser.error("--victim server needs --impl shoal and --checkpoint-dir or --replicas")
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.impl == "shoal":

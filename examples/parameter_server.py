@@ -11,14 +11,16 @@ per epoch. Under `shoal run --live`, the launcher lets the others go on without 
 `--max-restarts`: a new worker cannot join an RPC group that is running).
 
 With --checkpoint-dir, the server checkpoints the model, the trainers' optimizers and its place in
-the epochs every --checkpoint-every steps. With --live as well, if the server dies, the trainers
-make it again on the first of them that lives, which goes on from that checkpoint (the steps since
-are trained again) while serving and training both.
+the epochs every --checkpoint-every steps; with --replicas K, it sends all of that to the first K
+trainers after every step. With --live as well, if the server dies, the trainers make it again on
+the first of them that lives, which serves and trains both from then on. It goes on from its
+replica (nothing is lost) or else from the last checkpoint (the steps since are trained again).
 
     shoal run --nproc-per-node 3 examples/parameter_server.py            # a server, two trainers
     shoal run --nproc-per-node 4 examples/parameter_server.py --epochs 8
     shoal run --live --nproc-per-node 4 examples/parameter_server.py    # survives lost trainers
     shoal run --live --nproc-per-node 4 examples/parameter_server.py --checkpoint-dir ckpt --live   # and its server
+    shoal run --live --nproc-per-node 4 examples/parameter_server.py --replicas 1 --live            # losing nothing
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class ParameterServer:
         checkpoints = ModelParallelCheckpoint(args.checkpoint_dir, async_save=True) if args.checkpoint_dir else None
         self.steps = TrainerSteps(trainers, samples=samples, batch_size=args.batch_size, epochs=args.epochs,
                                   checkpoints=checkpoints, modules={"model": rpc.RRef(self.model)},
-                                  every=args.checkpoint_every)
+                                  every=args.checkpoint_every, replicas=args.replicas)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images)
@@ -79,8 +81,8 @@ def parameter_server(trainers: list[str], args: argparse.Namespace) -> rpc.RRef:
 
 def train(name: str, trainers: list[str], args: argparse.Namespace,
           after_backward: Callable[[str, int], None] | None) -> None:
-    """Train until every epoch is done; with --live and --checkpoint-dir, a lost server is made again
-    on the first trainer not known to be lost, from its last checkpoint."""
+    """Train until every epoch is done; with --live and --checkpoint-dir or --replicas, a lost server is
+    made again on the first trainer not known to be lost (which holds its replica, if it has one)."""
     if args.live:  # torch imports torch._dynamo (a second or more) where a process makes its first optimizer:
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # not while the others wait for this one
     host = "ps"
@@ -90,10 +92,10 @@ def train(name: str, trainers: list[str], args: argparse.Namespace,
             break
         except RuntimeError:  # PeerFailure, or an error a lost worker caused
             lost = {worker.name for worker in rpc.lost_workers()}
-            if not (args.live and args.checkpoint_dir and host in lost):
+            if not (args.live and (args.checkpoint_dir or args.replicas) and host in lost):
                 raise
             trainers = [trainer for trainer in trainers if trainer not in lost]
-            print(f"{name}: the server on {host} is lost; {trainers[0]} serves from its last checkpoint", flush=True)
+            print(f"{name}: the server on {host} is lost; {trainers[0]} serves from now on", flush=True)
             host = trainers[0]
     if host == name:
         serve(trainers, args)
@@ -124,6 +126,8 @@ def train_with(host: str, name: str, trainers: list[str], args: argparse.Namespa
 
 def serve(trainers: list[str], args: argparse.Namespace) -> None:
     server = parameter_server(trainers, args)
+    if (resumed := server.local_value().steps.resumed) is not None:
+        print(f"serving from {resumed.path}, step {resumed.step}", flush=True)
     server.local_value().steps.wait()
     test_images, test_labels = digits()[1].tensors
     print(f"final test accuracy: {server.local_value().accuracy(test_images, test_labels):.2%}", flush=True)
@@ -138,8 +142,9 @@ def main(argv: list[str] | None = None, after_backward: Callable[[str, int], Non
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--checkpoint-dir", help="the server checkpoints here, and starts from the latest")
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--replicas", type=int, default=0, help="trainers the server replicates to after every step")
     parser.add_argument("--live", action="store_true",
-                        help="with --checkpoint-dir: make a lost server again on a trainer and go on")
+                        help="with --checkpoint-dir or --replicas: make a lost server again on a trainer and go on")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # set by `shoal run`

@@ -1,7 +1,8 @@
 """The model-parallel examples, run through `shoal run` as a user runs them: a parameter server with
 two trainers, and a model pipelined over RPC, both trained with distributed autograd and the
 DistributedOptimizer. The parameter server's job also loses a trainer and goes on without it, and
-the pipeline loses a shard's worker and resumes from its checkpoint, restarted or live."""
+its server, made again from its checkpoint or its replica; the pipeline loses a shard's worker and
+resumes from its checkpoint, restarted or live."""
 
 from __future__ import annotations
 
@@ -62,7 +63,20 @@ def test_parameter_server_made_again_on_a_trainer_when_lost(tmp_path: Path) -> N
                 str(tmp_path), "--live", launcher=("--live", "--nproc-per-node", "4"))
     assert "rank 0 was lost (signal 9); the others go on without it" in lost.stderr, lost.stderr[-2000:]
     for trainer in (1, 2, 3):
-        assert f"trainer{trainer}: the server on ps is lost; trainer1 serves from its last checkpoint" in lost.stdout
+        assert f"trainer{trainer}: the server on ps is lost; trainer1 serves from now on" in lost.stdout
+    assert re.search(r"serving from \S+step-0000000020.pt, step 20\n", lost.stdout), lost.stdout[-2000:]
+    _trained(lost.stdout, trainers=(1, 2, 3))
+
+
+def test_parameter_server_made_again_from_its_replica_when_lost() -> None:
+    """With --replicas 1 and no checkpoints, the server dies once it has applied its 26th step; the
+    trainers make it again on trainer 1, from the replica it holds: of the 25 steps before, none is
+    lost (the 26th is, if it was not replicated yet: no trainer had heard that it was applied)."""
+    lost = _run("-m", "tests.scripts.parameter_server_with_kill", "--kill-at", "0:25", "--replicas", "1", "--live",
+                launcher=("--live", "--nproc-per-node", "4"))
+    assert "rank 0 was lost (signal 9); the others go on without it" in lost.stderr, lost.stderr[-2000:]
+    resumed = re.search(r"serving from the replica 'shoal.elastic.TrainerSteps' on trainer1, step (\d+)\n", lost.stdout)
+    assert resumed is not None and int(resumed.group(1)) in (25, 26), lost.stdout[-2000:]
     _trained(lost.stdout, trainers=(1, 2, 3))
 
 

@@ -2,7 +2,9 @@
 SIGKILLed mid-step: one between its backward and its step, one after the server has its step but
 before the step is applied (the last trainer waits for it to die). The job finishes in the same
 processes, every sample of every epoch is applied exactly once, and the server's parameters equal
-a replay, in one process, of the steps it applied (float64)."""
+a replay, in one process, of the steps it applied (float64). Then the server is SIGKILLed, and made
+again on a trainer: from its last checkpoint (the steps since are redone), or from its replica,
+which loses no step that a trainer heard was applied."""
 
 from __future__ import annotations
 
@@ -143,68 +145,89 @@ def test_trainers_are_named_once() -> None:
         TrainerSteps(["a", "a"], samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS)
 
 
-# ---- the server lost: made again on a trainer, from its last checkpoint -----------------------------
+# ---- the server lost: made again on a trainer, from its live replica or its last checkpoint ----------
 
 EVERY, SERVER_DIES_AFTER = 2, 20  # a checkpoint every 2 steps (6 batches); the server dies once 20 are applied
 _failover: dict = {}
 
 
-def _failover_handles(directory: str) -> tuple[rpc.RRef, rpc.RRef, list[rpc.RRef]]:
-    """Runs on whichever worker serves: the model and steps, resumed from the last checkpoint if any."""
+def _failover_handles(directory: str | None, replicas: int) -> tuple[rpc.RRef, rpc.RRef, list[rpc.RRef]]:
+    """Runs on whichever worker serves: the model and steps, resumed from the replica this worker
+    holds or the last checkpoint, if any."""
     with _made:
         if not _failover:
             model = _model()
+            checkpoints = ModelParallelCheckpoint(directory, async_save=True) if directory else None
             steps = TrainerSteps(TRAINERS, samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS, seed=5,
-                                 checkpoints=ModelParallelCheckpoint(directory, async_save=True),
-                                 modules={"model": rpc.RRef(model)}, every=EVERY)
+                                 checkpoints=checkpoints, modules={"model": rpc.RRef(model)}, every=EVERY,
+                                 replicas=replicas)
             _failover.update(model=model, steps=steps, resumed_with=len(steps.applied))
         model = _failover["model"]
         return rpc.RRef(model), rpc.RRef(_failover["steps"]), [rpc.RRef(p) for p in model.parameters()]
 
 
-def _train_through_failover(rank: int, world: int, directory: str) -> tuple | None:
+def _train_through_failover(rank: int, world: int, directory: str | None, replicas: int) -> tuple:
+    """Each trainer's batches whose steps it was told were applied; and from the worker that serves in
+    the end, the parameters, the applied steps, and how many batches it resumed with."""
     name = ["t1", "ps", "t2", "t3"][rank]  # rank 0 serves the rendezvous store, so it is not the server
     if name == "ps":
-        _, steps, _ = _failover_handles(directory)
-        while len(steps.local_value().applied) < SERVER_DIES_AFTER:
-            time.sleep(0.005)
+        _, steps, _ = _failover_handles(directory, replicas)
+        while len(steps.local_value().applied) < SERVER_DIES_AFTER or steps.local_value()._applying:
+            time.sleep(0.005)  # until its trainers have heard that their steps were applied (white-box)
         os.kill(os.getpid(), signal.SIGKILL)
-    server = "ps"
+    server, confirmed = "ps", []
     images, targets = _data()
     while True:
         try:
-            model, steps, params = rpc.rpc_sync(server, _failover_handles, args=(directory,))
+            model, steps, params = rpc.rpc_sync(server, _failover_handles, args=(directory, replicas))
             optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=LR, momentum=0.9)
             while (batch := steps.rpc_sync().next_batch(name)) is not None:
                 with dist_autograd.context() as context_id:
                     out = model.rpc_sync().forward(images[batch.indices])
                     dist_autograd.backward(context_id, [nn.functional.mse_loss(out, targets[batch.indices])])
                     steps.rpc_sync().step(batch, optimizer, context_id)
+                confirmed.append((batch.step, batch.epoch, batch.trainer, batch.indices.tolist()))
             break
         except RuntimeError:
             if server not in {worker.name for worker in rpc.lost_workers()}:
                 raise
             server = "t1"  # the first trainer by name serves from now on, on every trainer
     if name != server:
-        return None
+        return (confirmed,)
     steps = _failover["steps"]
     steps.wait(timeout=90)
     fresh = _model()
+    checkpoints = ModelParallelCheckpoint(directory) if directory else None
     with pytest.raises(ValueError, match="not of this run"):  # another seed: refused before it restores anything
-        TrainerSteps(TRAINERS, samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS, seed=6,
-                     checkpoints=ModelParallelCheckpoint(directory), modules={"model": rpc.RRef(fresh)}, every=EVERY)
+        TrainerSteps(TRAINERS, samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS, seed=6, checkpoints=checkpoints,
+                     modules={"model": rpc.RRef(fresh)}, every=EVERY, replicas=replicas)
     assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), _model().parameters(), strict=True))
     applied = [(b.step, b.epoch, b.trainer, b.indices.tolist()) for b in steps.applied]
-    return [p.detach().clone() for p in _failover["model"].parameters()], applied, _failover["resumed_with"]
+    return confirmed, [p.detach().clone() for p in _failover["model"].parameters()], applied, _failover["resumed_with"]
 
 
-def test_a_lost_server_is_made_again_on_a_trainer_from_its_last_checkpoint(tmp_path) -> None:
-    final, applied, resumed_with = run_rpc_ranks(_train_through_failover, 4, str(tmp_path),
-                                                 names=["t1", "ps", "t2", "t3"], timeout=120, expect={1: "dies"})[0]
-    # Resumed from a checkpoint of a whole number of steps of three batches, the steps since lost.
-    assert resumed_with >= 2 * EVERY * len(TRAINERS) and resumed_with % (EVERY * len(TRAINERS)) == 0, resumed_with
+def _check_applied_once_and_replayed(final: list[torch.Tensor], applied: list) -> None:
     for epoch in range(EPOCHS):
         indices = sorted(i for _, e, _, batch in applied if e == epoch for i in batch)
         assert indices == list(range(SAMPLES)), f"epoch {epoch} applied {len(indices)} samples, not each once"
     for got, expected in zip(final, _replay(applied, [p.detach() for p in _model().parameters()]), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_a_lost_server_is_made_again_on_a_trainer_from_its_last_checkpoint(tmp_path) -> None:
+    results = run_rpc_ranks(_train_through_failover, 4, str(tmp_path), 0, names=["t1", "ps", "t2", "t3"],
+                            timeout=120, expect={1: "dies"})
+    _, final, applied, resumed_with = results[0]
+    # Resumed from a checkpoint of a whole number of steps of three batches, the steps since lost.
+    assert resumed_with >= 2 * EVERY * len(TRAINERS) and resumed_with % (EVERY * len(TRAINERS)) == 0, resumed_with
+    _check_applied_once_and_replayed(final, applied)
+
+
+def test_a_lost_server_is_made_again_from_its_replica_with_nothing_lost() -> None:
+    results = run_rpc_ranks(_train_through_failover, 4, None, 1, names=["t1", "ps", "t2", "t3"],
+                            timeout=120, expect={1: "dies"})
+    _, final, applied, resumed_with = results[0]
+    assert resumed_with >= SERVER_DIES_AFTER, resumed_with  # the replica on t1 had every step the server applied
+    confirmed = [entry for rank in (0, 2, 3) for entry in results[rank][0]]
+    assert [entry for entry in confirmed if entry not in applied] == []  # no step a trainer was told of is lost
+    _check_applied_once_and_replayed(final, applied)

@@ -1,8 +1,10 @@
-"""Atomic, verified, optionally asynchronous checkpoints (of replicated, per-rank and model-parallel state), and
-the RNG state that makes resumption exact."""
+"""Atomic, verified, optionally asynchronous checkpoints (of replicated, per-rank and model-parallel
+state), live replicas of model-parallel state in other workers' memory, and the RNG state that makes
+resumption exact."""
 
 from shoal.checkpoint.manager import Checkpoint, CheckpointManager
 from shoal.checkpoint.model_parallel import ModelParallelCheckpoint
+from shoal.checkpoint.replica import ModelReplicas, ReplicaLost
 from shoal.checkpoint.rng import capture_rng, restore_rng
 from shoal.checkpoint.sigterm import finish_writes_on_sigterm
 
@@ -10,6 +12,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointManager",
     "ModelParallelCheckpoint",
+    "ModelReplicas",
+    "ReplicaLost",
     "capture_rng",
     "finish_writes_on_sigterm",
     "restore_rng",

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 class Checkpoint:
     step: int
     state: dict[str, Any]
-    path: Path
+    path: Path | str  # the file; or, for a replica in a worker's memory, which worker
 
 
 def _snapshot(value: Any) -> Any:

@@ -92,7 +92,7 @@ def _by_owner(modules: Modules, optimizer: DistributedOptimizer | None) -> dict[
     return dict(placement)
 
 
-def _on(owner: str, fn: Any, args: tuple) -> torch.futures.Future:
+def call_on(owner: str, fn: Any, args: tuple) -> torch.futures.Future:
     """`fn(*args)` on `owner`: here without an RPC when that is this worker, so that a checkpoint
     taken or loaded inside an RPC handler does not wait for a second thread of the pool."""
     if owner != rpc.get_worker_info().name:
@@ -108,7 +108,7 @@ def _on(owner: str, fn: Any, args: tuple) -> torch.futures.Future:
 def _gather(modules: Modules, optimizer: DistributedOptimizer | None) -> tuple[dict, dict]:
     """Every owner's copy of its modules' state (with no `optimizer`), or of `optimizer`'s state
     there, by the names of its parameters in `modules`."""
-    futures = {owner: _on(owner, _copy_state, (owned, optimizers, optimizer is None))
+    futures = {owner: call_on(owner, _copy_state, (owned, optimizers, optimizer is None))
                for owner, (owned, optimizers) in _by_owner(modules, optimizer).items()}
     module_state, optimizer_state = {}, {}
     for states, by_name in _wait_all(futures).values():
@@ -124,7 +124,7 @@ def _scatter(modules: Modules, module_state: dict | None, optimizer: Distributed
     for owner, (owned, optimizers) in _by_owner(modules, optimizer).items():
         states = {key: module_state[key] for key in owned} if module_state is not None else {}
         mine = None if optimizer_state is None else {key: optimizer_state.get(key, {}) for key in owned}
-        futures[owner] = _on(owner, _restore_state,
+        futures[owner] = call_on(owner, _restore_state,
                              (owned if module_state is not None else {}, states, optimizers, mine, owned))
     _wait_all(futures)
 
@@ -149,7 +149,7 @@ class ModelParallelCheckpoint:
     changes meanwhile would mix two steps)."""
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = False) -> None:
-        self._manager = CheckpointManager(directory, keep=keep, async_save=async_save, rank=0)
+        self._store = CheckpointManager(directory, keep=keep, async_save=async_save, rank=0)
         self._loaded: Checkpoint | None = None
 
     def save(self, step: int, modules: Modules, optimizer: Optimizers = None, *,
@@ -161,7 +161,7 @@ class ModelParallelCheckpoint:
         module_state, optimizer_states = _gather(modules, None)[0], {}
         for key, each in _keyed(optimizer).items():
             optimizer_states[key] = _gather(modules, each)[1]
-        self._manager.save(step, {"modules": module_state, "optimizers": optimizer_states, "extra": extra or {}})
+        self._store.save(step, {"modules": module_state, "optimizers": optimizer_states, "extra": extra or {}})
 
     def load_latest(self, modules: Modules, optimizer: Optimizers = None, *,
                     accept: Callable[[Checkpoint], None] | None = None) -> Checkpoint | None:
@@ -170,7 +170,7 @@ class ModelParallelCheckpoint:
         `extra` (as `state`), or None if there is none. `accept` sees that before anything is
         restored, and refuses the checkpoint by raising. Optimizers made later are restored from the
         same checkpoint by `restore_optimizer`."""
-        latest = self._manager.load_latest()
+        latest = self._store.load_latest()
         if latest is None:
             return None
         saved = latest.state
@@ -199,4 +199,4 @@ class ModelParallelCheckpoint:
 
     def wait(self) -> None:
         """Block until a background write has finished; raise its error if it failed."""
-        self._manager.wait()
+        self._store.wait()

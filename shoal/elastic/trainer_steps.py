@@ -29,21 +29,25 @@ import torch
 
 from shoal.checkpoint.manager import Checkpoint
 from shoal.checkpoint.model_parallel import ModelParallelCheckpoint, Modules
+from shoal.checkpoint.replica import ModelReplicas, ReplicaLost
 from shoal.optim.distributed import DistributedOptimizer
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import async_execution
 
 _Answer = tuple[torch.futures.Future, Any]  # a waiting trainer's future, and its value (an exception: raised there)
+_REPLICA = "shoal.elastic.TrainerSteps"  # the name its replicas are held under
 
 
 @dataclass(eq=False, frozen=True)
 class Batch:
-    """One trainer's share of one step: the positions of its samples in the data set."""
+    """One trainer's share of one step: the positions of its samples in the data set (`indices`),
+    which are the `part`-th batch of the epoch's order."""
 
     epoch: int
     step: int
     trainer: str
     indices: torch.Tensor
+    part: int
 
 
 class TrainerSteps:
@@ -51,18 +55,23 @@ class TrainerSteps:
     `epochs` epochs, each in the order `torch.randperm` draws from `seed + epoch`. `applied` lists
     the batches whose steps were applied, in the order they were: which trainer gets which batch
     depends on timing, so a run is reproduced by replaying `applied`, not by running it again.
+    `resumed` is the checkpoint or replica it started from (its step and path), or None.
 
-    With `checkpoints` and `every`, it saves `modules`, every trainer's optimizer and its own place
-    in the epochs after every `every`-th step, while the trainers of that step wait (a point where no
-    step runs); and it starts from the latest of those checkpoints if there is one. So a server that
-    is lost can be made again on another worker, which goes on from its last checkpoint: the steps
-    since are lost, and their batches are dealt out again. Each trainer's optimizer is restored at
-    its first step there; one that has not stepped there yet is left out of the checkpoints taken
-    meanwhile. A checkpoint of another run (other samples, batch size, epochs or seed) is refused."""
+    With `checkpoints` and `every`, it saves `modules`, the optimizers of the living trainers and its
+    own place in the epochs after every `every`-th step, while the trainers of that step wait (a
+    point where no step runs); and it starts from the latest of those checkpoints if there is one.
+    So a server that is lost can be made again on another worker, which goes on from its last
+    checkpoint: the steps since are lost, and their batches are dealt out again. With `replicas=k`,
+    it also sends all of that to the first k living trainers (in the order of `trainers`) after
+    every step, before any trainer hears that its step is applied; a server made again on one of
+    them starts from there, and nothing is lost. Each trainer's optimizer is restored at its first
+    step there; one that has not stepped there yet is left out of the checkpoints and replicas taken
+    meanwhile. A checkpoint or replica of another run (other samples, batch size, epochs or seed) is
+    refused."""
 
     def __init__(self, trainers: Sequence[str], *, samples: int, batch_size: int, epochs: int, seed: int = 0,
                  checkpoints: ModelParallelCheckpoint | None = None, modules: Modules | None = None,
-                 every: int = 0) -> None:
+                 every: int = 0, replicas: int = 0) -> None:
         if not trainers or len(set(trainers)) != len(trainers):
             raise ValueError(f"TrainerSteps needs one or more trainers, each named once, got {list(trainers)}")
         if samples < 1 or batch_size < 1 or epochs < 1:
@@ -71,12 +80,19 @@ class TrainerSteps:
         if checkpoints is not None and (not modules or every < 1):
             raise ValueError(f"TrainerSteps with checkpoints needs the modules to save and every >= 1, got "
                              f"modules={modules}, every={every}")
-        self._trainers = frozenset(trainers)
+        if replicas < 0 or (replicas and not modules):
+            raise ValueError(f"TrainerSteps with replicas needs the modules to replicate, and replicas >= 0, got "
+                             f"modules={modules}, replicas={replicas}")
+        agent = current_agent()
+        for trainer in trainers:
+            agent.worker(trainer)  # ValueError for a name no worker has, which would be waited for forever
+        self._trainers, self._order, self._here = frozenset(trainers), list(trainers), agent.name
         self._samples, self._batch_size, self._epochs, self._seed = samples, batch_size, epochs, seed
         self._lock = threading.Lock()
         self._living = set(trainers)
         self._epoch, self._step = -1, 0
-        self._pending: deque[torch.Tensor] = deque()  # this epoch's batches that no trainer holds or has applied
+        self._parts: list[torch.Tensor] = []  # this epoch's batches, in its order
+        self._pending: deque[int] = deque()  # the parts that no trainer holds or has applied
         self._holding: dict[str, Batch] = {}  # computing this step's forward and backward
         self._arrived: dict[str, tuple[Batch, DistributedOptimizer, int, torch.futures.Future]] = {}
         self._idle: dict[str, torch.futures.Future] = {}  # asked for a batch when none was left this step
@@ -84,15 +100,16 @@ class TrainerSteps:
         self._finished = threading.Event()
         self._error: str | None = None
         self.applied: list[Batch] = []
+        self._record: list[tuple[int, int, str, int]] = []  # `applied` as a checkpoint keeps it: by parts
         self._checkpoints, self._modules, self._every = checkpoints, modules or {}, every
         self._stepped: dict[str, DistributedOptimizer] = {}  # each trainer's, as of its latest step
         self._optimizers: dict[str, DistributedOptimizer] = {}  # ... as of its latest step applied
-        self._unrestored: set[str] = set()  # trainers whose optimizers the checkpoint resumed from holds
+        self._replicas, self._replica_count = ModelReplicas(_REPLICA) if replicas else None, replicas
+        self._resumed_from: ModelParallelCheckpoint | None = None
+        self.resumed: Checkpoint | None = None
+        self._unrestored: set[str] = set()  # trainers whose optimizers that holds
         if not self._resume():
             self._start_epoch()
-        agent = current_agent()
-        for trainer in trainers:
-            agent.worker(trainer)  # ValueError for a name no worker has, which would be waited for forever
         agent.on_worker_lost(lambda worker: threading.Thread(
             target=self._lose, args=(worker.name,), daemon=True, name="shoal-trainer-lost").start())
         for trainer in trainers:
@@ -153,24 +170,31 @@ class TrainerSteps:
             raise RuntimeError(f"TrainerSteps: trainer {trainer!r} asked for a batch before finishing its step")
 
     def _resume(self) -> bool:
-        """Start from the latest checkpoint, if `checkpoints` hold one: the modules now, the trainers'
-        optimizers at their first steps."""
-        if self._checkpoints is None:
+        """Start from the replica this worker holds (a lost server's, as of its last step), else from the
+        latest checkpoint, if there is either: the modules now, the trainers' optimizers at their first
+        steps."""
+        if not self._modules:
             return False
-        latest = self._checkpoints.load_latest(self._modules, accept=self._check_run)
-        if latest is None:
+        for source in (ModelReplicas(_REPLICA), self._checkpoints):
+            if source is not None and (latest := source.load_latest(self._modules, accept=self._check_run)):
+                break
+        else:
             return False
         place = latest.state["trainer_steps"]
         self._epoch, self._step = place["epoch"], place["step"]
+        self._parts = self._batches(self._epoch)
         self._pending.extend(place["pending"])
-        self.applied = [Batch(*entry) for entry in place["applied"]]
-        self._unrestored = set(place["optimizers"])
+        self._record, parts = list(place["applied"]), {}
+        for epoch, step, trainer, part in self._record:
+            indices = (parts[epoch] if epoch in parts else parts.setdefault(epoch, self._batches(epoch)))[part]
+            self.applied.append(Batch(epoch, step, trainer, indices, part))
+        self._resumed_from, self._unrestored, self.resumed = source, set(place["optimizers"]), latest
         return True
 
     def _check_run(self, latest: Checkpoint) -> None:
         place = latest.state.get("trainer_steps")
         if place is None or place["run"] != self._run():
-            raise ValueError(f"TrainerSteps: checkpoint {latest.path} is not of this run "
+            raise ValueError(f"TrainerSteps: {latest.path} is not of this run "
                              f"({place['run'] if place else 'no TrainerSteps in it'}, not {self._run()}): "
                              f"give each run a directory of its own")
 
@@ -178,16 +202,22 @@ class TrainerSteps:
         return {"samples": self._samples, "batch_size": self._batch_size, "epochs": self._epochs, "seed": self._seed}
 
     def _place(self) -> dict[str, Any]:
-        """Under the lock, between two steps: where the epochs stand, as a checkpoint keeps it, with the
-        optimizers of the living trainers that have stepped here."""
+        """Under the lock, between two steps: where the epochs stand, as a checkpoint or replica keeps it
+        (batches by their parts, which `_batches` makes again: a few numbers each), with the optimizers
+        of the living trainers that have stepped here."""
         return {"run": self._run(), "epoch": self._epoch, "step": self._step, "pending": list(self._pending),
-                "applied": [(b.epoch, b.step, b.trainer, b.indices) for b in self.applied],
+                "applied": list(self._record),
                 "optimizers": sorted(name for name in self._optimizers if name in self._living)}
+
+    def _batches(self, epoch: int) -> list[torch.Tensor]:
+        """The batches of `epoch`, in the order `torch.randperm` draws from `seed + epoch`."""
+        order = torch.randperm(self._samples, generator=torch.Generator().manual_seed(self._seed + epoch))
+        return list(order.split(self._batch_size))
 
     def _start_epoch(self) -> None:
         self._epoch += 1
-        order = torch.randperm(self._samples, generator=torch.Generator().manual_seed(self._seed + self._epoch))
-        self._pending.extend(order.split(self._batch_size))
+        self._parts = self._batches(self._epoch)
+        self._pending.extend(range(len(self._parts)))
 
     def _advance(self) -> list[_Answer]:
         """Under the lock: deal batches to idle trainers, and apply the step once every living
@@ -204,7 +234,8 @@ class TrainerSteps:
             return answers
         while self._idle and self._pending:
             trainer, future = self._idle.popitem()
-            batch = Batch(self._epoch, self._step, trainer, self._pending.popleft())
+            part = self._pending.popleft()
+            batch = Batch(self._epoch, self._step, trainer, self._parts[part], part)
             self._holding[trainer] = batch
             answers.append((future, batch))
         due = self._living - self._holding.keys() - self._arrived.keys() - self._idle.keys()
@@ -235,7 +266,7 @@ class TrainerSteps:
         for _, (batch, optimizer, context_id, future) in arrived:
             try:
                 if batch.trainer in self._unrestored:
-                    self._checkpoints.restore_optimizer(self._modules, optimizer, batch.trainer)
+                    self._resumed_from.restore_optimizer(self._modules, optimizer, batch.trainer)
                     self._unrestored.discard(batch.trainer)
                 optimizer.step(context_id)
             except Exception as exc:  # a lost trainer's context is gone: its step did not apply
@@ -250,36 +281,55 @@ class TrainerSteps:
             raise
 
     def _settle(self, outcomes: list[tuple[Batch, torch.futures.Future, Exception | None]]) -> None:
-        """The step's outcomes recorded, a checkpoint taken if one is due (still `_applying`, so no
-        batch is dealt and no step starts meanwhile), then the trainers answered."""
+        """The step's outcomes recorded, its replicas and a checkpoint if one is due taken (still
+        `_applying`, so no batch is dealt and no step starts meanwhile), then the trainers answered."""
         answers: list[_Answer] = []
         with self._lock:
             for batch, future, error in outcomes:
                 del self._arrived[batch.trainer]
                 if error is None:
                     self.applied.append(batch)
+                    self._record.append((batch.epoch, batch.step, batch.trainer, batch.part))
                     self._optimizers[batch.trainer] = self._stepped[batch.trainer]
                 else:
-                    self._pending.appendleft(batch.indices)
+                    self._pending.appendleft(batch.part)
                 if batch.trainer in self._living:
                     answers.append((future, error))
             self._step += 1
-            place = self._place() if self._checkpoints is not None and self._step % self._every == 0 else None
+            due = self._checkpoints is not None and self._step % self._every == 0
+            place = self._place() if due or self._replicas is not None else None
             if place is None:
                 self._applying = False
                 answers += self._advance()
         if place is not None:  # the trainers of this step wait for their answers: no step runs
             optimizers = {name: self._optimizers[name] for name in place["optimizers"]}
             try:
-                self._checkpoints.save(place["step"], self._modules, optimizers, extra={"trainer_steps": place})
+                if self._replicas is not None:
+                    self._replicate(place, optimizers)
+                if due:
+                    self._checkpoints.save(place["step"], self._modules, optimizers, extra={"trainer_steps": place})
             except Exception as exc:  # training on would lose the steps since the last checkpoint unseen
-                failed = self._fail(f"TrainerSteps: the checkpoint of step {place['step']} failed: {exc!r}")
+                failed = self._fail(f"TrainerSteps: saving step {place['step']} failed: {exc!r}")
                 answers = [(future, RuntimeError(self._error)) for future, _ in answers] + failed
             else:
                 with self._lock:
                     self._applying = False
                     answers += self._advance()
         _answer(answers)
+
+    def _replicate(self, place: dict[str, Any], optimizers: dict[str, DistributedOptimizer]) -> None:
+        """This step's state to the first `replicas` trainers not lost (not this worker): a trainer lost
+        meanwhile is passed over for the next, so the first living trainer always holds the newest."""
+        agent = current_agent()
+        while True:
+            living = [name for name in self._order if name != self._here and not agent.is_lost(name)]
+            self._replicas.workers = living[:self._replica_count]
+            try:
+                self._replicas.save(place["step"], self._modules, optimizers, extra={"trainer_steps": place})
+                return
+            except ReplicaLost as exc:  # on a worker still living, the next server could start from an older one
+                if not all(agent.is_lost(worker) for worker in exc.workers):
+                    raise
 
     def _fail(self, error: str) -> list[_Answer]:
         """End the training with `error`, which every trainer that waits, or comes to, is told."""
@@ -296,9 +346,9 @@ class TrainerSteps:
             self._living.discard(trainer)
             self._idle.pop(trainer, None)
             if trainer in self._holding:
-                self._pending.appendleft(self._holding.pop(trainer).indices)
+                self._pending.appendleft(self._holding.pop(trainer).part)
             if trainer in self._arrived and not self._applying:  # an applying step settles it itself
-                self._pending.appendleft(self._arrived.pop(trainer)[0].indices)
+                self._pending.appendleft(self._arrived.pop(trainer)[0].part)
             answers = self._advance()
         _answer(answers)
 

@@ -1,0 +1,78 @@
+"""ModelReplicas between real workers: an owner replicates its model and Adam's state to two
+workers; one of them dies, and the next save names it (ReplicaLost) while the other still takes it.
+The survivor restores the replica into a model of its own, and both train on to the same parameters
+(float64, exactly)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from shoal import autograd as dist_autograd
+from shoal import rpc
+from shoal.checkpoint import ModelReplicas, ReplicaLost
+from shoal.optim import DistributedOptimizer
+from tests.ranks import run_rpc_ranks
+
+NAME = "model"
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+def _step(model: nn.Module, optimizer: DistributedOptimizer, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    x, y = (torch.randn(6, 5, generator=generator, dtype=torch.float64),
+            torch.randn(6, 2, generator=generator, dtype=torch.float64))
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [nn.functional.mse_loss(model(x), y)])
+        optimizer.step(context_id)
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited 30 s for {what}")
+        time.sleep(0.005)
+
+
+def _worker(rank: int, world: int) -> list[torch.Tensor] | None:
+    name = rpc.get_worker_info().name
+    if name == "w2":  # dies once it holds the first replica
+        _wait_for(lambda: ModelReplicas(NAME).held_step() == 2, "the first replica")
+        os.kill(os.getpid(), signal.SIGKILL)
+    model = _model(seed=0 if name == "w0" else 1)
+    optimizer = DistributedOptimizer(torch.optim.Adam, [rpc.RRef(p) for p in model.parameters()], lr=0.05)
+    if name == "w0":
+        with pytest.raises(ValueError, match="its own worker"):
+            ModelReplicas(NAME, ["w1", "w0"])
+        replicas = ModelReplicas(NAME, ["w1", "w2"])
+        for seed in range(2):
+            _step(model, optimizer, seed)
+        replicas.save(2, {"model": rpc.RRef(model)}, optimizer, extra={"epoch": 0})
+        _wait_for(lambda: rpc.get_worker_info("w2") in rpc.lost_workers(), "w2 to be lost")
+        _step(model, optimizer, 2)
+        with pytest.raises(ReplicaLost, match="could not be kept on w2") as lost:
+            replicas.save(3, {"model": rpc.RRef(model)}, optimizer, extra={"epoch": 1})
+        assert lost.value.workers == ["w2"]
+    else:  # w1: takes the owner's place from the replica of step 3
+        assert ModelReplicas("another").load_latest({"model": rpc.RRef(model)}) is None
+        _wait_for(lambda: ModelReplicas(NAME).held_step() == 3, "the second replica")
+        latest = ModelReplicas(NAME).load_latest({"model": rpc.RRef(model)}, optimizer)
+        assert (latest.step, latest.state, latest.path) == (3, {"epoch": 1}, "the replica 'model' on w1")
+    _step(model, optimizer, 3)  # Adam's moments and step count came along: the same step on both
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_replica_survives_its_owner_and_a_lost_replica_is_named() -> None:
+    results = run_rpc_ranks(_worker, 3, names=["w0", "w1", "w2"], timeout=90, expect={2: "dies"})
+    for owner, replica in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(replica, owner, rtol=0, atol=0)
