@@ -42,22 +42,31 @@ class Endpoint:
         return self.rank == 0 and not _served_by_launcher(self.host, self.port)
 
 
-def resolve(init_method: str, rank: int | None, world_size: int | None) -> Endpoint:
-    """Read the store address and this rank's place from `env://` variables or a `tcp://` URL."""
+def store_address(init_method: str) -> tuple[str, int]:
+    """The store's host and port, from `env://` variables or a `tcp://` URL."""
     url = urlparse(init_method)
     if url.scheme == "env":
-        host = _env(config.MASTER_ADDR)
-        port = _env(config.MASTER_PORT)
-        rank = _env(config.RANK) if rank is None else rank
-        world_size = _env(config.WORLD_SIZE) if world_size is None else world_size
-    elif url.scheme == "tcp":
+        return _env(config.MASTER_ADDR), _env(config.MASTER_PORT)
+    if url.scheme == "tcp":
         if not url.hostname or not url.port:
             raise ValueError(f"init_method {init_method!r} must look like tcp://host:port")
-        host, port = url.hostname, url.port
-        if rank is None or world_size is None:
-            raise ValueError("init_method tcp://... needs rank= and world_size= arguments")
-    else:
-        raise ValueError(f"init_method {init_method!r}: resolve takes env:// or tcp://host:port")
+        return url.hostname, url.port
+    raise ValueError(f"init_method {init_method!r}: resolve takes env:// or tcp://host:port")
+
+
+def world_size_given(init_method: str, world_size: int | None) -> bool:
+    """Whether a world size is given: as an argument, or (env://) in WORLD_SIZE."""
+    return world_size is not None or (urlparse(init_method).scheme == "env" and config.WORLD_SIZE.get() is not None)
+
+
+def resolve(init_method: str, rank: int | None, world_size: int | None) -> Endpoint:
+    """Read the store address and this rank's place from `env://` variables or a `tcp://` URL."""
+    host, port = store_address(init_method)
+    if urlparse(init_method).scheme == "env":
+        rank = _env(config.RANK) if rank is None else rank
+        world_size = _env(config.WORLD_SIZE) if world_size is None else world_size
+    elif rank is None or world_size is None:
+        raise ValueError("init_method tcp://... needs rank= and world_size= arguments")
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if not 0 <= rank < world_size:
@@ -103,6 +112,12 @@ def join(endpoint: Endpoint, timeout: timedelta, namespace: str = "shoal/") -> S
     having seen all others. Joins under different namespaces share one connection."""
     return join_store(connection(endpoint, timeout), (endpoint.host, endpoint.port), endpoint.rank,
                       endpoint.world_size, timeout, namespace)
+
+
+def client(host: str, port: int, timeout: timedelta) -> Store:
+    """This process's connection to the store at host:port, as a client (a worker that joins a group
+    that is running never serves its store)."""
+    return connection(Endpoint(host, port, rank=-1, world_size=1), timeout)
 
 
 def connection(endpoint: Endpoint, timeout: timedelta) -> Store:

@@ -30,8 +30,10 @@ def init_rpc(name: str, backend: backend_registry.BackendType | None = None, ran
     stands in for).
 
     Rank and world size default to the RANK and WORLD_SIZE variables, as for process groups; a
-    process group may use the same MASTER_ADDR:MASTER_PORT. Where SHOAL_TRACE names a directory (`shoal
-    run --trace DIR`), this process's timeline starts here.
+    process group may use the same MASTER_ADDR:MASTER_PORT. With no world size, rank 0 starts a group
+    of one, and any other worker joins the group that runs there (its rank the one given, or the next
+    free one), returning once it is connected to every member. Where SHOAL_TRACE names a directory
+    (`shoal run --trace DIR`), this process's timeline starts here.
     """
     running = current.current_or_none()
     if running is not None:

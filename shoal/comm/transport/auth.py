@@ -62,14 +62,16 @@ def client_handshake(sock: socket.socket, secret: bytes, session: bytes, *, my_r
         raise AuthenticationError(f"rank {peer_rank} refused the connection")
 
 
-def server_handshake(sock: socket.socket, secret: bytes, session: bytes, *, my_rank: int, world_size: int,
+def server_handshake(sock: socket.socket, secret: bytes, session: bytes, *, my_rank: int, world_size: int | None,
                      admit: Callable[[int], None]) -> int:
-    """Authenticate an incoming connection and return the rank it proved to be; `admit(rank)` may
-    still refuse it (raising) before the peer is told it is accepted."""
+    """Authenticate an incoming connection and return the rank it proved to be (below `world_size`,
+    or any rank if that is None); `admit(rank)` may still refuse it (raising) before the peer is told
+    it is accepted."""
     magic, peer_rank, wanted, nonce_c = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
     if magic != _MAGIC:
         raise AuthenticationError("not a shoal peer (bad greeting)")
-    if wanted != my_rank or not 0 <= peer_rank < world_size or peer_rank == my_rank:
+    if wanted != my_rank or peer_rank < 0 or (world_size is not None and peer_rank >= world_size) \
+            or peer_rank == my_rank:
         raise AuthenticationError(f"greeting names ranks {peer_rank}->{wanted}, not valid for rank {my_rank}")
     nonce_l = os.urandom(_NONCE)
     ids = struct.pack("<ii", peer_rank, my_rank)

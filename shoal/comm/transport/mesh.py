@@ -46,8 +46,9 @@ class Transport:
 
     def __init__(self, rank: int, world_size: int, *, secret: bytes, session: bytes, host: str,
                  stall_timeout: timedelta, heal_timeout: timedelta | None = None,
-                 heartbeat_timeout: timedelta | None = None) -> None:
-        self.rank, self.world_size = rank, world_size
+                 heartbeat_timeout: timedelta | None = None, open_membership: bool = False) -> None:
+        """With `open_membership`, ranks from `world_size` on may join later: they dial every member."""
+        self.rank, self.world_size, self._open = rank, world_size, open_membership
         self._stall_timeout = stall_timeout
         self._heal_timeout = _seconds(heal_timeout, config.SHOAL_HEAL_TIMEOUT)
         self._heartbeat_timeout = _seconds(heartbeat_timeout, config.SHOAL_HEARTBEAT_TIMEOUT)
@@ -84,6 +85,16 @@ class Transport:
                                                 timeout=max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"rank {self.rank}: ranks {missing()} did not connect within "
                                    f"{timeout.total_seconds():g}s")
+
+    def dial_member(self, peer: int, address: tuple[str, int], timeout: timedelta) -> None:
+        """As a rank that joins a running group: connect to member `peer`. One that is gone (its
+        listener refuses) is recorded as lost, as a peer lost later would be."""
+        try:
+            sock, _ = self._dial(peer, address, time.monotonic() + timeout.total_seconds(), refused_is_final=True)
+        except PeerFailure as exc:
+            self.link_lost(peer, f"it was gone when rank {self.rank} joined ({exc.detail})")
+            return
+        self._adopt(peer, sock, address[1])
 
     def _dial(self, peer: int, address: tuple[str, int], deadline: float, *, received: int = 0,
               refused_is_final: bool = False) -> tuple[socket.socket, int]:
@@ -126,7 +137,8 @@ class Transport:
         try:
             conn.settimeout(_HANDSHAKE_TIMEOUT_S)
             peer = auth.server_handshake(conn, self._secret, self._session, my_rank=self.rank,
-                                         world_size=self.world_size, admit=self._check_newcomer)
+                                         world_size=None if self._open else self.world_size,
+                                         admit=self._check_newcomer)
             link = self._links.get(peer)
             peer_received, peer_port = resume_handshake(conn, link.received if link else 0, self.address[1])
             _configure(conn, self._stall_timeout)
@@ -141,7 +153,7 @@ class Transport:
             conn.close()
 
     def _check_newcomer(self, peer: int) -> None:
-        if peer < self.rank:
+        if peer < self.rank and not self._open:  # with open membership, a joiner dials every member
             raise auth.AuthenticationError(f"rank {peer} should be dialled, not dial in")
         with self._lock:
             if self.closed:

@@ -1,6 +1,7 @@
-"""`RpcAgent`, one worker's end of the RPC group, from start to shutdown: it joins the group, puts
-together the pieces that call out, serve and send notices, names the workers, answers a worker's
-death, and shuts down in step with the other workers."""
+"""`RpcAgent`, one worker's end of the RPC group, from start to shutdown: it starts the group with
+the others or joins it while it runs, puts together the pieces that call out, serve and send
+notices, names the workers, answers a worker's death, and shuts down in step with the other workers
+(or, having joined, leaves)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from shoal.comm import rendezvous
 from shoal.comm.transport import Transport, connect, listen
 from shoal.errors import PeerFailure
 from shoal.rpc import autograd_contexts, current
+from shoal.rpc.agent import joining
 from shoal.rpc.agent.calls import Caller
+from shoal.rpc.agent.members import Members
 from shoal.rpc.agent.notices import Notices
 from shoal.rpc.agent.outstanding import Outstanding
 from shoal.rpc.agent.pool import WorkerPool
@@ -37,10 +40,10 @@ class RpcAgent:
     """One worker's end of the RPC group (see `shoal.rpc` for the user-facing functions)."""
 
     def __init__(self, info: WorkerInfo, workers: list[WorkerInfo], transport: Transport, store: Any,
-                 options: RpcBackendOptions) -> None:
+                 options: RpcBackendOptions, *, world_size: int, joined: bool = False) -> None:
         self.info, self.rank, self.name = info, info.id, info.name
-        self._workers = workers
-        self._by_name = {w.name: w for w in workers}
+        self._members = Members(workers, store, world_size)
+        self._joined = joined  # it joined the running group: it leaves alone
         self.transport, self.store, self.options = transport, store, options
         self.default_timeout = options.rpc_timeout
         self._ids = itertools.count()  # message ids, and the numbers of the ids new_id() draws
@@ -65,16 +68,22 @@ class RpcAgent:
 
     @classmethod
     def start(cls, name: str, rank: int | None, world_size: int | None, options: RpcBackendOptions) -> RpcAgent:
-        """Rendezvous, connect to every other worker, and return once all of them are ready."""
+        """Rendezvous, connect to every other worker, and return once all of them are ready. Without a
+        world size, rank 0 starts a group of one, and any other worker joins the group that runs."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"init_rpc: the worker name must be a non-empty string, got {name!r}")
         timeout = timedelta(seconds=options.init_timeout)
+        if not rendezvous.world_size_given(options.init_method, world_size):
+            if rank != 0:
+                return cls._join(name, rank, options, timeout)
+            world_size = 1
         endpoint = rendezvous.resolve(options.init_method, rank, world_size)
         rank, world_size = endpoint.rank, endpoint.world_size
         # A namespace of its own: a process group may share this store (and its server).
         store = rendezvous.join(endpoint, timeout, namespace="shoal-rpc/")
         transport, entries = listen(store, rank, world_size, toward=endpoint.host, timeout=timeout,
-                                    stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,))
+                                    stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,),
+                                    open_membership=True)
         agent: RpcAgent | None = None
         try:
             store.set(f"named/{rank}", 1)
@@ -85,7 +94,7 @@ class RpcAgent:
                 raise ValueError(f"init_rpc: worker name {name!r} is taken by ranks "
                                  f"{[r for r, n in enumerate(names) if n == name]}; every worker needs its own name")
             workers = [WorkerInfo(n, r) for r, n in enumerate(names)]
-            agent = cls(workers[rank], workers, transport, store, options)
+            agent = cls(workers[rank], workers, transport, store, options, world_size=world_size)
             autograd_contexts.contexts.started(rank)
             current.set_current(agent)  # calls may arrive as soon as we connect, before init_rpc returns
             connect(transport, entries, timeout)
@@ -101,33 +110,66 @@ class RpcAgent:
             raise
         return agent
 
+    @classmethod
+    def _join(cls, name: str, rank: int | None, options: RpcBackendOptions, timeout: timedelta) -> RpcAgent:
+        """Join the group that runs at the store of `options.init_method` (joining.py), as `rank` or
+        the next free rank; return once connected to every member."""
+        host, port = rendezvous.store_address(options.init_method)
+        store = rendezvous.client(host, port, timeout).scoped("shoal-rpc/0/")  # the group's first start
+        world_size = joining.running_world_size(store, f"{host}:{port}", timeout)
+        joining.claim_name(store, name, world_size, timeout)
+        rank = joining.claim_rank(store, rank, world_size)
+        transport, entries = listen(store, rank, world_size, toward=host, timeout=timeout,
+                                    stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,),
+                                    members=range(world_size), open_membership=True)
+        agent: RpcAgent | None = None
+        try:
+            earlier = joining.register(store, rank, timeout)  # dialled, and named once they finish joining
+            info = WorkerInfo(name, rank)
+            workers = [WorkerInfo(entry[0], r) for r, entry in enumerate(entries)] + [info]
+            agent = cls(info, workers, transport, store, options, world_size=world_size, joined=True)
+            autograd_contexts.contexts.started(rank)
+            current.set_current(agent)
+            for member, entry in [*enumerate(entries), *earlier.items()]:
+                transport.dial_member(member, (entry[-2], entry[-1]), timeout)
+            store.set(f"ready/{rank}", 1)
+            store.set(f"names/{name}", rank)  # from here the others find it by name
+        except BaseException:
+            current.set_current(None)
+            if agent is not None:
+                agent._tear_down(None)
+            else:
+                transport.close()
+            raise
+        return agent
+
     # ---- names and ids -----------------------------------------------------------------------
 
     def worker(self, to: To) -> WorkerInfo:
-        """The worker `to` names: a name, a rank or a WorkerInfo."""
+        """The worker `to` names: a name, a rank or a WorkerInfo (also one that joined since)."""
         if isinstance(to, WorkerInfo):
-            if 0 <= to.id < len(self._workers) and self._workers[to.id] == to:
+            if self._members.ranked(to.id) == to:
                 return to
-            raise ValueError(f"{to} is not a worker of this RPC group ({self._workers})")
+            raise ValueError(f"{to} is not a worker of this RPC group (the workers are {self._members.names()})")
         if isinstance(to, str):
-            if to not in self._by_name:
-                raise ValueError(f"no worker is named {to!r}; the workers are {sorted(self._by_name)}")
-            return self._by_name[to]
+            if (found := self._members.named(to)) is None:
+                raise ValueError(f"no worker is named {to!r}; the workers are {self._members.names()}")
+            return found
         if isinstance(to, int) and not isinstance(to, bool):
-            if not 0 <= to < len(self._workers):
-                raise ValueError(f"no worker has rank {to}; ranks are 0..{len(self._workers) - 1}")
-            return self._workers[to]
+            if (found := self._members.ranked(to)) is None:
+                raise ValueError(f"no worker has rank {to}; the workers are {self._members.names()}")
+            return found
         raise TypeError(f"a worker is named by its name, rank or WorkerInfo, not {type(to).__name__}")
 
     def _worker_name(self, rank: int) -> str:
-        return self._workers[rank].name
+        return self._members.info(rank).name
 
     def is_lost(self, to: To) -> bool:
         """Whether worker `to` has crashed or left: calls to it fail at once with PeerFailure."""
         return self.worker(to).id in self._gone
 
     def lost_workers(self) -> list[WorkerInfo]:
-        return [self._workers[rank] for rank in sorted(self._gone)]
+        return [self._members.info(rank) for rank in sorted(self._gone)]
 
     def new_id(self) -> tuple[int, int]:
         """An id no other worker can draw: (our rank, a number)."""
@@ -180,7 +222,7 @@ class RpcAgent:
         autograd_contexts.contexts.peer_failed(rank)
         for listener in self._loss_listeners:
             try:
-                listener(self._workers[rank])
+                listener(self._members.info(rank))
             except Exception:  # one listener's bug must not keep the loss from the others
                 log.exception("worker %r: a listener for the loss of worker %r failed", self.name,
                               self._worker_name(rank))
@@ -204,8 +246,11 @@ class RpcAgent:
             self._tear_down(deadline if everyone_done else None)
 
     def _wait_for_everyone(self, deadline: float) -> None:
+        """Say this worker is done, and wait until every worker is; a worker that joined the running
+        group leaves without waiting (the others see it leave, as if it had died)."""
         self.store.set(f"done/{self.rank}", 1)
-        self._wait_for_keys("done", deadline, "finish its RPCs")
+        if not self._joined:
+            self._wait_for_keys("done", deadline, "finish its RPCs")
         # Rank 0 serves the store when no launcher does: it leaves last, once nobody needs to read from it.
         self.store.set(f"left/{self.rank}", 1)
         if self.rank == 0:
@@ -215,12 +260,12 @@ class RpcAgent:
         # Polled: a worker that dies meanwhile (it joins _gone) must not be waited for. With
         # backoff: a server may wait here for its trainers' whole run, and every poll is a request
         # to the store.
-        for rank in range(len(self._workers)):
+        for rank in self._members.ranks():
             for _ in attempts(deadline, first=0.005, limit=0.1, factor=1.5):
                 if rank in self._gone or self.store.has(f"{name}/{rank}"):
                     break
             else:
-                raise TimeoutError(f"worker {self.name!r}: worker {self._workers[rank].name!r} did not "
+                raise TimeoutError(f"worker {self.name!r}: worker {self._worker_name(rank)!r} did not "
                                    f"{what} before the shutdown deadline")
 
     def _tear_down(self, deadline: float | None) -> None:
