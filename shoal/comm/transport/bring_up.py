@@ -14,20 +14,19 @@ from shoal.comm.transport.mesh import Transport
 
 
 def listen(store: Store, rank: int, world_size: int, *, toward: str, timeout: timedelta,
-           stall_timeout: timedelta, card: tuple[Any, ...] = (), members: range | None = None,
+           stall_timeout: timedelta, card: tuple[Any, ...] = (),
            open_membership: bool = False) -> tuple[Transport, list[list[Any]]]:
-    """Our transport, listening and published, and the entries, [*card, host, port], of `members`
-    (every rank of `world_size` by default), in rank order. `toward` is the store's host: the
-    interface that reaches it is the one peers can reach. With `open_membership`, ranks from
-    `world_size` on may join later (Transport). The transport is closed if any step fails."""
+    """Our transport, listening and published, and every member's entry, [*card, host, port], in rank
+    order. `toward` is the store's host: the interface that reaches it is the one peers can reach.
+    With `open_membership`, ranks from `world_size` on may join later (Transport). The transport is
+    closed if any step fails."""
     host = local_address_towards(toward)
     secret, session = job_secret(store, rank, host, timeout)
     transport = Transport(rank, world_size, secret=secret, session=session, host=host, stall_timeout=stall_timeout,
                           open_membership=open_membership)
     try:
         store.set(f"members/{rank}", [*card, *transport.address])
-        ranks = range(world_size) if members is None else members
-        entries = [store.get(f"members/{r}", timeout=timeout) for r in ranks]
+        entries = [store.get(f"members/{r}", timeout=timeout) for r in range(world_size)]
     except BaseException:
         transport.close()
         raise

@@ -88,11 +88,15 @@ class Transport:
 
     def dial_member(self, peer: int, address: tuple[str, int], timeout: timedelta) -> None:
         """As a rank that joins a running group: connect to member `peer`. One that is gone (its
-        listener refuses) is recorded as lost, as a peer lost later would be."""
+        listener refuses) or not reached within `timeout` is recorded as lost, as a peer lost later
+        would be."""
         try:
             sock, _ = self._dial(peer, address, time.monotonic() + timeout.total_seconds(), refused_is_final=True)
         except PeerFailure as exc:
             self.link_lost(peer, f"it was gone when rank {self.rank} joined ({exc.detail})")
+            return
+        except TimeoutError as exc:  # not reached in the time the join has
+            self.link_lost(peer, f"rank {self.rank} could not reach it to join ({exc})")
             return
         self._adopt(peer, sock, address[1])
 

@@ -1,54 +1,84 @@
-"""How a worker joins an RPC group that is running: it finds the group in the store, claims its name
-and a rank (the one it asks for, or the next free one after the group's first members), registers,
-and dials every member, the first members and the workers that joined before it; those that join
-after it dial it. The store's keys are listed in `members.py`."""
+"""How a worker joins an RPC group that is running: it finds the group's current start in the store,
+claims a rank (the one it asks for, or the next free one after the group's first members) and its
+name, registers, and dials every member: the first members and the workers that joined before it;
+those that join after it dial it. The store's keys are listed in `members.py`."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
+from shoal.comm import rendezvous
 from shoal.comm.store import Store
 
+RUNNING = "shoal-rpc/running"  # in the store's root: the namespace of the group's current start
+_MAX_RANK = 2**31 - 1  # ranks travel as int32 in the transport's handshake
+_EARLIER_JOINER_S = 10.0  # how long an earlier joiner may take between drawing its place and naming its rank
 
-def running_world_size(store: Store, address: str, timeout: timedelta) -> int:
-    """How many workers the running group started with, once all of them are ready."""
+
+def left(deadline: float) -> timedelta:
+    """What is left of the join's time, as a store wait takes it."""
+    return timedelta(seconds=max(0.0, deadline - time.monotonic()))
+
+
+def find_group(host: str, port: int, deadline: float) -> tuple[Store, int, list[list[Any]]]:
+    """The running group's part of the store at host:port, how many workers started it, and their
+    entries ([name, host, port]), once every one of them is ready."""
+    base = rendezvous.client(host, port, left(deadline))
     try:
-        world_size = store.get("joined/0", timeout=timeout)
-        store.wait([f"ready/{rank}" for rank in range(world_size)], timeout=timeout)
-        return world_size
+        store = base.scoped(base.get(RUNNING, timeout=left(deadline)))
+        world_size = store.get("joined/0", timeout=left(deadline))
+        store.wait([f"ready/{rank}" for rank in range(world_size)], timeout=left(deadline))
     except TimeoutError:
-        raise TimeoutError(f"init_rpc: no RPC group is running at {address} (waited "
-                           f"{timeout.total_seconds():g} s); a worker joins a group without a world size, "
-                           f"so the group must have started with one") from None
+        raise TimeoutError(f"init_rpc: no RPC group has started at {host}:{port} (waited until the init "
+                           f"timeout); a worker without a world size joins a running group") from None
+    return store, world_size, [store.get(f"members/{rank}", timeout=left(deadline)) for rank in range(world_size)]
 
 
-def claim_rank(store: Store, rank: int | None, world_size: int) -> int:
-    """`rank`, or without one the next rank no worker holds."""
+def claim(store: Store, name: str, rank: int | None, world_size: int, entries: list[list[Any]]) -> int:
+    """This worker's rank (`rank`, or without one the next that no worker holds), then its name,
+    which no first member has and no other joiner has claimed."""
+    if name in (entry[0] for entry in entries):
+        raise ValueError(f"init_rpc: worker name {name!r} is taken in the running RPC group by rank "
+                         f"{[entry[0] for entry in entries].index(name)}; every worker needs its own name")
     if rank is None:
-        while True:
-            drawn = world_size + store.add("drawn", 1) - 1
-            if store.add(f"claims/{drawn}", 1) == 1:
-                return drawn
-    if rank < 0 or store.add(f"claims/{rank}", 1) > 1:
-        raise ValueError(f"init_rpc: rank {rank} is taken in the running RPC group; leave rank out to be "
-                         f"given a free one")
+        for _ in range(_MAX_RANK):  # each draw is a number no other joiner draws
+            rank = world_size + store.add("drawn", 1) - 1
+            if store.add(f"claims/{rank}", 1) == 1:
+                break
+    elif not 0 <= rank <= _MAX_RANK or store.add(f"claims/{rank}", 1) > 1:
+        raise ValueError(f"init_rpc: rank {rank} is taken in the running RPC group (or is not a rank); "
+                         f"leave rank out to be given a free one")
+    claimant = store.compare_set(f"name-claims/{name}", rank)
+    if claimant is None:  # released by a join that failed
+        claimant = store.replace(f"name-claims/{name}", None, rank)
+    if claimant != rank:
+        store.add(f"claims/{rank}", -1)
+        raise ValueError(f"init_rpc: worker name {name!r} is taken by another worker joining the running RPC "
+                         f"group; every worker needs its own name")
     return rank
 
 
-def register(store: Store, rank: int, timeout: timedelta) -> dict[int, list[Any]]:
+def release(store: Store, name: str, rank: int) -> None:
+    """After a join that failed: its name and rank are free again, for a worker that tries again."""
+    store.replace(f"name-claims/{name}", rank, None)
+    store.add(f"claims/{rank}", -1)
+
+
+def register(store: Store, rank: int, deadline: float) -> dict[int, list[Any]]:
     """Take this worker's place in the order of joiners (its entry, members/RANK, is already set);
-    the entries of the workers that joined before it, by rank."""
+    the entries of the workers that joined before it and have not left, by rank. One that died
+    before naming its rank is passed over after a while."""
     place = store.add("joiners", 1) - 1
     store.set(f"joiner/{place}", rank)
-    earlier = [store.get(f"joiner/{n}", timeout=timeout) for n in range(place)]
-    return {r: store.get(f"members/{r}", timeout=timeout) for r in earlier}
-
-
-def claim_name(store: Store, name: str, world_size: int, timeout: timedelta) -> None:
-    """`name` for this worker, before it registers anything: no first member's, nor any joiner's."""
-    taken = [rank for rank in range(world_size) if store.get(f"members/{rank}", timeout=timeout)[0] == name]
-    if taken or store.add(f"name-claims/{name}", 1) > 1:
-        raise ValueError(f"init_rpc: worker name {name!r} is taken in the running RPC group"
-                         f"{f' by rank {taken[0]}' if taken else ''}; every worker needs its own name, "
-                         f"for the life of the group")
+    earlier = {}
+    for number in range(place):
+        wait = min(left(deadline), timedelta(seconds=_EARLIER_JOINER_S))
+        try:
+            other = store.get(f"joiner/{number}", timeout=wait)
+        except TimeoutError:
+            continue
+        if not store.has(f"left/{other}"):
+            earlier[other] = store.get(f"members/{other}", timeout=left(deadline))
+    return earlier

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from shoal import config
 from shoal.backoff import attempts
 from shoal.comm import rendezvous
 from shoal.comm.transport import Transport, connect, listen
@@ -19,7 +20,7 @@ from shoal.errors import PeerFailure
 from shoal.rpc import autograd_contexts, current
 from shoal.rpc.agent import joining
 from shoal.rpc.agent.calls import Caller
-from shoal.rpc.agent.members import Members
+from shoal.rpc.agent.members import Members, welcome
 from shoal.rpc.agent.notices import Notices
 from shoal.rpc.agent.outstanding import Outstanding
 from shoal.rpc.agent.pool import WorkerPool
@@ -42,7 +43,7 @@ class RpcAgent:
     def __init__(self, info: WorkerInfo, workers: list[WorkerInfo], transport: Transport, store: Any,
                  options: RpcBackendOptions, *, world_size: int, joined: bool = False) -> None:
         self.info, self.rank, self.name = info, info.id, info.name
-        self._members = Members(workers, store, world_size)
+        self.members = Members(workers, store, world_size)  # the name table, which follows joiners
         self._joined = joined  # it joined the running group: it leaves alone
         self.transport, self.store, self.options = transport, store, options
         self.default_timeout = options.rpc_timeout
@@ -74,8 +75,10 @@ class RpcAgent:
             raise ValueError(f"init_rpc: the worker name must be a non-empty string, got {name!r}")
         timeout = timedelta(seconds=options.init_timeout)
         if not rendezvous.world_size_given(options.init_method, world_size):
+            if rank is None and options.init_method.startswith("env://"):
+                rank = config.RANK.get()
             if rank != 0:
-                return cls._join(name, rank, options, timeout)
+                return cls._join(name, rank, options, time.monotonic() + timeout.total_seconds())
             world_size = 1
         endpoint = rendezvous.resolve(options.init_method, rank, world_size)
         rank, world_size = endpoint.rank, endpoint.world_size
@@ -101,6 +104,9 @@ class RpcAgent:
             # Nobody sends before every agent listens for RPC frames.
             store.set(f"ready/{rank}", 1)
             store.wait([f"ready/{r}" for r in range(world_size)], timeout=timeout)
+            if rank == 0:  # where workers that join find this start of the group
+                base = rendezvous.connection(endpoint, timeout)
+                base.set(joining.RUNNING, store.prefix.removeprefix(base.prefix))
         except BaseException:
             current.set_current(None)
             if agent is not None:
@@ -111,35 +117,45 @@ class RpcAgent:
         return agent
 
     @classmethod
-    def _join(cls, name: str, rank: int | None, options: RpcBackendOptions, timeout: timedelta) -> RpcAgent:
+    def _join(cls, name: str, rank: int | None, options: RpcBackendOptions, deadline: float) -> RpcAgent:
         """Join the group that runs at the store of `options.init_method` (joining.py), as `rank` or
-        the next free rank; return once connected to every member."""
+        the next free rank, by `deadline`; return once connected to every member that lives."""
         host, port = rendezvous.store_address(options.init_method)
-        store = rendezvous.client(host, port, timeout).scoped("shoal-rpc/0/")  # the group's first start
-        world_size = joining.running_world_size(store, f"{host}:{port}", timeout)
-        joining.claim_name(store, name, world_size, timeout)
-        rank = joining.claim_rank(store, rank, world_size)
-        transport, entries = listen(store, rank, world_size, toward=host, timeout=timeout,
-                                    stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,),
-                                    members=range(world_size), open_membership=True)
+        store, world_size, entries = joining.find_group(host, port, deadline)
+        rank = joining.claim(store, name, rank, world_size, entries)
         agent: RpcAgent | None = None
+        transport = None
         try:
-            earlier = joining.register(store, rank, timeout)  # dialled, and named once they finish joining
+            transport, _ = listen(store, rank, world_size, toward=host, timeout=joining.left(deadline),
+                                  stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,),
+                                  open_membership=True)
+            earlier = joining.register(store, rank, deadline)  # dialled; named once they finish joining
             info = WorkerInfo(name, rank)
             workers = [WorkerInfo(entry[0], r) for r, entry in enumerate(entries)] + [info]
             agent = cls(info, workers, transport, store, options, world_size=world_size, joined=True)
             autograd_contexts.contexts.started(rank)
             current.set_current(agent)
-            for member, entry in [*enumerate(entries), *earlier.items()]:
-                transport.dial_member(member, (entry[-2], entry[-1]), timeout)
+            members = [*enumerate(entries), *earlier.items()]
+            for member, entry in members:
+                transport.dial_member(member, (entry[-2], entry[-1]), joining.left(deadline))
+            if all(agent.is_lost(member) for member in range(world_size)):
+                raise RuntimeError(f"init_rpc: the RPC group at {host}:{port} has ended: none of the workers "
+                                   f"that started it is left")
             store.set(f"ready/{rank}", 1)
             store.set(f"names/{name}", rank)  # from here the others find it by name
+            for member, _ in members:
+                if not agent.is_lost(member):
+                    agent.notify(member, welcome, (name, rank))
         except BaseException:
             current.set_current(None)
             if agent is not None:
                 agent._tear_down(None)
-            else:
+            elif transport is not None:
                 transport.close()
+            try:
+                joining.release(store, name, rank)
+            except Exception:  # the join's own error is the one to raise
+                log.exception("worker %r: could not free its name and rank after a failed join", name)
             raise
         return agent
 
@@ -148,28 +164,28 @@ class RpcAgent:
     def worker(self, to: To) -> WorkerInfo:
         """The worker `to` names: a name, a rank or a WorkerInfo (also one that joined since)."""
         if isinstance(to, WorkerInfo):
-            if self._members.ranked(to.id) == to:
+            if self.members.ranked(to.id) == to:
                 return to
-            raise ValueError(f"{to} is not a worker of this RPC group (the workers are {self._members.names()})")
+            raise ValueError(f"{to} is not a worker of this RPC group (the workers are {self.members.names()})")
         if isinstance(to, str):
-            if (found := self._members.named(to)) is None:
-                raise ValueError(f"no worker is named {to!r}; the workers are {self._members.names()}")
+            if (found := self.members.named(to)) is None:
+                raise ValueError(f"no worker is named {to!r}; the workers are {self.members.names()}")
             return found
         if isinstance(to, int) and not isinstance(to, bool):
-            if (found := self._members.ranked(to)) is None:
-                raise ValueError(f"no worker has rank {to}; the workers are {self._members.names()}")
+            if (found := self.members.ranked(to)) is None:
+                raise ValueError(f"no worker has rank {to}; the workers are {self.members.names()}")
             return found
         raise TypeError(f"a worker is named by its name, rank or WorkerInfo, not {type(to).__name__}")
 
     def _worker_name(self, rank: int) -> str:
-        return self._members.info(rank).name
+        return self.members.info(rank).name
 
     def is_lost(self, to: To) -> bool:
         """Whether worker `to` has crashed or left: calls to it fail at once with PeerFailure."""
         return self.worker(to).id in self._gone
 
     def lost_workers(self) -> list[WorkerInfo]:
-        return [self._members.info(rank) for rank in sorted(self._gone)]
+        return [self.members.info(rank) for rank in sorted(self._gone)]
 
     def new_id(self) -> tuple[int, int]:
         """An id no other worker can draw: (our rank, a number)."""
@@ -222,7 +238,7 @@ class RpcAgent:
         autograd_contexts.contexts.peer_failed(rank)
         for listener in self._loss_listeners:
             try:
-                listener(self._members.info(rank))
+                listener(self.members.info(rank))
             except Exception:  # one listener's bug must not keep the loss from the others
                 log.exception("worker %r: a listener for the loss of worker %r failed", self.name,
                               self._worker_name(rank))
@@ -260,7 +276,7 @@ class RpcAgent:
         # Polled: a worker that dies meanwhile (it joins _gone) must not be waited for. With
         # backoff: a server may wait here for its trainers' whole run, and every poll is a request
         # to the store.
-        for rank in self._members.ranks():
+        for rank in self.members.ranks():
             for _ in attempts(deadline, first=0.005, limit=0.1, factor=1.5):
                 if rank in self._gone or self.store.has(f"{name}/{rank}"):
                     break

@@ -15,6 +15,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+from shoal.rpc import current
 from shoal.rpc.options import WorkerInfo
 
 _LOOKUP_TIMEOUT = timedelta(seconds=5)  # a key that `has` saw is read at once
@@ -34,7 +35,7 @@ class Members:
         with self._lock:
             known = self._by_name.get(name)
         if known is None and self._store.has(f"names/{name}"):
-            known = self._learn(name, self._store.get(f"names/{name}", timeout=_LOOKUP_TIMEOUT))
+            known = self.learn(name, self._store.get(f"names/{name}", timeout=_LOOKUP_TIMEOUT))
         return known
 
     def ranked(self, rank: int) -> WorkerInfo | None:
@@ -42,7 +43,7 @@ class Members:
         with self._lock:
             known = self._by_rank.get(rank)
         if known is None and rank >= self._world_size and self._store.has(f"ready/{rank}"):
-            known = self._learn(self._store.get(f"members/{rank}", timeout=_LOOKUP_TIMEOUT)[0], rank)
+            known = self.learn(self._store.get(f"members/{rank}", timeout=_LOOKUP_TIMEOUT)[0], rank)
         return known
 
     def info(self, rank: int) -> WorkerInfo:
@@ -67,8 +68,14 @@ class Members:
                   if self._store.has(f"joiner/{n}")]
         return [*range(self._world_size), *sorted(r for r in joined if self._store.has(f"ready/{r}"))]
 
-    def _learn(self, name: str, rank: int) -> WorkerInfo:
+    def learn(self, name: str, rank: int) -> WorkerInfo:
         worker = WorkerInfo(name, rank)
         with self._lock:
             self._by_rank[rank], self._by_name[name] = worker, worker
         return worker
+
+
+def welcome(name: str, rank: int) -> None:
+    """Runs on a member, sent by a worker that has just joined: its name is known here before anything
+    needs it (such as naming it, on a connection's thread, when it dies)."""
+    current.current_agent().members.learn(name, rank)
