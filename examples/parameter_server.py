@@ -7,8 +7,9 @@ The server also deals out the work (`shoal.elastic.TrainerSteps`): each step, ev
 batch, and once all have run their backward, the server applies their optimizer steps, so no step
 changes the weights under a backward still to run through them. A trainer that dies mid-step costs
 nothing but time: its batch goes to another trainer, and every sample is still trained on once
-per epoch. Under `shoal run --live`, the launcher lets the others go on without it (without
-`--max-restarts`: a new worker cannot join an RPC group that is running).
+per epoch. Under `shoal run --live`, the launcher lets the others go on without it; with
+`--max-restarts K`, it starts a replacement, which joins the running job under a name of its own
+(trainerR.N: rank R's N-th restart) and trains with the others from the next step.
 
 With --checkpoint-dir, the server checkpoints the model, the trainers' optimizers and its place in
 the epochs every --checkpoint-every steps; with --replicas K, it sends all of that to the first K
@@ -19,6 +20,7 @@ replica (nothing is lost) or else from the last checkpoint (the steps since are 
     shoal run --nproc-per-node 3 examples/parameter_server.py            # a server, two trainers
     shoal run --nproc-per-node 4 examples/parameter_server.py --epochs 8
     shoal run --live --nproc-per-node 4 examples/parameter_server.py    # survives lost trainers
+    shoal run --live --max-restarts 2 --nproc-per-node 4 examples/parameter_server.py   # and replaces them
     shoal run --live --nproc-per-node 4 examples/parameter_server.py --checkpoint-dir ckpt --live   # and its server
     shoal run --live --nproc-per-node 4 examples/parameter_server.py --replicas 1 --live            # losing nothing
 """
@@ -105,6 +107,8 @@ def train_with(host: str, name: str, trainers: list[str], args: argparse.Namespa
                after_backward: Callable[[str, int], None] | None) -> None:
     server = rpc.rpc_sync(host, parameter_server, args=(trainers, args))
     steps = server.rpc_sync().steps_rref()
+    if name not in trainers:  # a replacement that joined the job
+        steps.rpc_sync().add_trainer(name)
     optimizer = DistributedOptimizer(torch.optim.SGD, server.rpc_sync().parameter_rrefs(), lr=args.lr, momentum=0.9)
     images, labels = digits()[0].tensors
     epoch, losses = 0, []
@@ -149,12 +153,18 @@ def main(argv: list[str] | None = None, after_backward: Callable[[str, int], Non
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # set by `shoal run`
     trainers = [f"trainer{r}" for r in range(1, world_size)]
-    rpc.init_rpc("ps" if rank == 0 else trainers[rank - 1], rank=rank, world_size=world_size)
-    if rank == 0:
+    if (restart := int(os.environ.get("SHOAL_RESTART_COUNT", "0"))) > 0:  # it replaces a lost worker
+        name = f"trainer{rank}.{restart}"  # with no world size: it joins the running job
+        store = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        rpc.init_rpc(name, rpc_backend_options=rpc.RpcBackendOptions(init_method=store))
+    else:
+        name = "ps" if rank == 0 else trainers[rank - 1]
+        rpc.init_rpc(name, rank=rank, world_size=world_size)
+    if name == "ps":
         serve(trainers, args)
     else:
-        train(trainers[rank - 1], trainers, args, after_backward)
-    rpc.shutdown()  # the server serves until every trainer is done
+        train(name, trainers, args, after_backward)
+    rpc.shutdown()  # the server serves until every trainer is done; a replacement leaves when it is
 
 
 if __name__ == "__main__":

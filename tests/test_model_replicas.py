@@ -1,12 +1,13 @@
 """ModelReplicas between real workers: an owner replicates its model and Adam's state to two
 workers; one of them dies, and the next save names it (ReplicaLost) while the other still takes it.
-The survivor restores the replica into a model of its own, and both train on to the same parameters
-(float64, exactly)."""
+The owner finds the newest replica among the two (the dead one passed over), and the survivor
+restores it into a model of its own: both train on to the same parameters (float64, exactly)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -20,6 +21,11 @@ from shoal.optim import DistributedOptimizer
 from tests.ranks import run_rpc_ranks
 
 NAME = "model"
+_found = threading.Event()  # on w1: the owner has found the newest replica (w1's), so w1 may restore it
+
+
+def _owner_found_it() -> None:
+    _found.set()
 
 
 def _model(seed: int) -> nn.Module:
@@ -63,11 +69,15 @@ def _worker(rank: int, world: int) -> list[torch.Tensor] | None:
         with pytest.raises(ReplicaLost, match="could not be kept on w2") as lost:
             replicas.save(3, {"model": rpc.RRef(model)}, optimizer, extra={"epoch": 1})
         assert lost.value.workers == ["w2"]
+        newest = ModelReplicas(NAME).latest(among=["w2", "w1"])  # w2 is gone: passed over
+        assert (newest.step, newest.path, newest.state["extra"]) == (3, "the replica 'model' on w1", {"epoch": 1})
+        rpc.rpc_sync("w1", _owner_found_it)
     else:  # w1: takes the owner's place from the replica of step 3
         assert ModelReplicas("another").load_latest({"model": rpc.RRef(model)}) is None
-        _wait_for(lambda: ModelReplicas(NAME).held_step() == 3, "the second replica")
+        assert _found.wait(timeout=30)
         latest = ModelReplicas(NAME).load_latest({"model": rpc.RRef(model)}, optimizer)
         assert (latest.step, latest.state, latest.path) == (3, {"epoch": 1}, "the replica 'model' on w1")
+        assert ModelReplicas(NAME).held_step() is None  # let go, once restored
     _step(model, optimizer, 3)  # Adam's moments and step count came along: the same step on both
     return [p.detach().clone() for p in model.parameters()]
 

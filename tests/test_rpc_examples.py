@@ -32,12 +32,12 @@ def _same_as_unsplit(out: str) -> None:
     assert gap is not None and float(gap.group(1)) < 1e-4, out[-2000:]
 
 
-def _trained(out: str, trainers: tuple[int, ...]) -> None:
-    """Each of `trainers` printed five epochs' losses, the last a quarter of the first or less, and
-    the server's model reached 90% on the test digits."""
+def _trained(out: str, trainers: tuple[int, ...], epochs: int = 5) -> None:
+    """Each of `trainers` printed `epochs` epochs' losses, the last a quarter of the first or less,
+    and the server's model reached 90% on the test digits."""
     for trainer in trainers:
         losses = [float(x) for x in re.findall(rf"trainer{trainer}, epoch \d+: loss ([\d.]+)", out)]
-        assert len(losses) == 5 and losses[-1] < losses[0] / 4, losses
+        assert len(losses) == epochs and losses[-1] < losses[0] / 4, losses
     final = re.search(r"final test accuracy: ([\d.]+)%", out)
     assert final is not None and float(final.group(1)) >= 90.0, out[-2000:]
 
@@ -53,6 +53,17 @@ def test_parameter_server_goes_on_without_a_lost_trainer() -> None:
                 launcher=("--live", "--nproc-per-node", "4"))
     assert "rank 2 was lost (signal 9); the others go on without it" in lost.stderr, lost.stderr[-2000:]
     _trained(lost.stdout, trainers=(1, 3))
+
+
+def test_parameter_server_replaces_a_lost_trainer_with_one_that_joins() -> None:
+    """Under --max-restarts 1, the launcher starts a replacement for trainer 2, killed in step 5 of
+    228; it joins the running job as trainer2.1 and trains on with the others to the end."""
+    run = _run("-m", "tests.scripts.parameter_server_with_kill", "--kill-at", "2:5", "--epochs", "12",
+               launcher=("--live", "--max-restarts", "1", "--nproc-per-node", "4"))
+    assert "starting a new rank 2 to join them" in run.stderr, run.stderr[-2000:]
+    joined = re.findall(r"trainer2\.1, epoch (\d+): loss", run.stdout)
+    assert joined and joined[-1] == "11", run.stdout[-2000:]  # it trained until the last epoch
+    _trained(run.stdout, trainers=(1, 3), epochs=12)
 
 
 def test_parameter_server_made_again_on_a_trainer_when_lost(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from shoal import rpc
 from shoal.checkpoint import ModelParallelCheckpoint
 from shoal.elastic import TrainerSteps
 from shoal.optim import DistributedOptimizer
-from tests.ranks import run_rpc_ranks
+from tests.ranks import run_ranks, run_rpc_ranks
 
 TRAINERS = ["t1", "t2", "t3"]
 SAMPLES, BATCH, EPOCHS, LR = 96, 8, 3, 0.05
@@ -112,7 +112,7 @@ def _replay(applied: list, initial: list[torch.Tensor]) -> list[torch.Tensor]:
     with torch.no_grad():
         for param, value in zip(model.parameters(), initial, strict=True):
             param.copy_(value)
-    optimizers = {name: _optimizer(list(model.parameters())) for name in TRAINERS}
+    optimizers = {name: _optimizer(list(model.parameters())) for name in {entry[2] for entry in applied}}
     images, targets = _data()
     for _, group in itertools.groupby(applied, key=lambda entry: entry[0]):
         gradients = []
@@ -143,6 +143,75 @@ def test_lost_trainers_batches_go_to_the_others_and_every_sample_is_applied_once
 def test_trainers_are_named_once() -> None:
     with pytest.raises(ValueError, match="each named once"):
         TrainerSteps(["a", "a"], samples=SAMPLES, batch_size=BATCH, epochs=EPOCHS)
+
+
+# ---- a lost trainer's place taken by a worker that joins the running job ---------------------------
+
+def _eventually(condition, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited 30 s for {what}")
+        time.sleep(0.005)
+
+
+def _add_trainer(name: str) -> None:
+    _server["steps"].add_trainer(name)
+
+
+def _is_trainer(name: str) -> bool:
+    steps = _server["steps"]
+    with steps._lock:
+        return name in steps._living
+
+
+def _train_with_a_joiner(rank: int, world: int, port: int) -> tuple | None:
+    """ps, t1, t2 and t3 start the job; t3 dies holding its second batch; t4 joins the running job
+    (no world size), and takes part from then on. t1 holds its third step until t4 is a trainer."""
+    options = rpc.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=30)
+    name = ["ps", *TRAINERS, "t4"][rank]
+    if name == "t4":
+        rpc.init_rpc(name, rpc_backend_options=options)
+    else:
+        rpc.init_rpc(name, rank=rank, world_size=len(TRAINERS) + 1, rpc_backend_options=options)
+    out = None
+    if name == "ps":
+        model, steps, _ = _handles()
+        steps.local_value().wait(timeout=90)
+        applied = [(b.step, b.epoch, b.trainer, b.indices.tolist()) for b in steps.local_value().applied]
+        out = _server["initial"], [p.detach().clone() for p in model.local_value().parameters()], applied
+    else:
+        if name == "t4":
+            _eventually(lambda: "t3" in {worker.name for worker in rpc.lost_workers()}, "t3 to be lost")
+            rpc.rpc_sync("ps", _add_trainer, args=("t4",))
+        model, steps, params = rpc.rpc_sync("ps", _handles)
+        optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=LR, momentum=0.9)
+        images, targets = _data()
+        for count in itertools.count(1):
+            if (batch := steps.rpc_sync().next_batch(name)) is None:
+                break
+            with dist_autograd.context() as context_id:
+                prediction = model.rpc_sync().forward(images[batch.indices])
+                dist_autograd.backward(context_id, [nn.functional.mse_loss(prediction, targets[batch.indices])])
+                if (name, count) == ("t3", 2):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if (name, count) == ("t1", 3):
+                    _eventually(lambda: rpc.rpc_sync("ps", _is_trainer, args=("t4",)), "t4 to be a trainer")
+                steps.rpc_sync().step(batch, optimizer, context_id)
+    rpc.shutdown()
+    return out
+
+
+def test_a_worker_that_joins_the_running_job_takes_a_lost_trainers_place() -> None:
+    results = run_ranks(_train_with_a_joiner, len(TRAINERS) + 2, backend=None, timeout=120, expect={3: "dies"})
+    initial, final, applied = results[0]
+    for epoch in range(EPOCHS):
+        indices = sorted(i for _, e, _, batch in applied if e == epoch for i in batch)
+        assert indices == list(range(SAMPLES)), f"epoch {epoch} applied {len(indices)} samples, not each once"
+    by_trainer = {name: sum(1 for entry in applied if entry[2] == name) for name in [*TRAINERS, "t4"]}
+    assert by_trainer["t3"] == 1 and by_trainer["t4"] > 0, by_trainer  # its momentum is in the replay below
+    for got, expected in zip(final, _replay(applied, initial), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
 # ---- the server lost: made again on a trainer, from its live replica or its last checkpoint ----------

@@ -170,9 +170,16 @@ class ModelParallelCheckpoint:
         `extra` (as `state`), or None if there is none. `accept` sees that before anything is
         restored, and refuses the checkpoint by raising. Optimizers made later are restored from the
         same checkpoint by `restore_optimizer`."""
-        latest = self._store.load_latest()
-        if latest is None:
-            return None
+        latest = self.latest()
+        return None if latest is None else self.restore(latest, modules, optimizer, accept=accept)
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint that verifies, as saved, restored nowhere (to compare it with others)."""
+        return self._store.load_latest()
+
+    def restore(self, latest: Checkpoint, modules: Modules, optimizer: Optimizers = None, *,
+                accept: Callable[[Checkpoint], None] | None = None) -> Checkpoint:
+        """Restore `latest` (from `latest()`) as `load_latest` restores the newest."""
         saved = latest.state
         if accept is not None:
             accept(Checkpoint(latest.step, saved["extra"], latest.path))

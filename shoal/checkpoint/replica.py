@@ -7,17 +7,20 @@ the parameters is lost, a worker that holds its replica makes them again with no
     ...                                                     # on trainer1, once the owner is lost:
     latest = ModelReplicas("ps").load_latest({"model": rpc.RRef(model)}, optimizer)
 
-Each worker keeps the newest state saved to it under each name, for as long as its process lives.
+Each worker keeps the newest state saved to it under each name until it is restored from (or its
+process ends). `latest(among=[...])` finds the newest that this worker or any of those holds, for a
+worker that takes the owner's place without knowing which replica was sent last.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shoal.checkpoint.manager import Checkpoint
-from shoal.checkpoint.model_parallel import ModelParallelCheckpoint, call_on
+from shoal.checkpoint.model_parallel import ModelParallelCheckpoint, Modules, Optimizers, call_on
+from shoal.errors import PeerFailure
 from shoal.rpc import api as rpc
 
 _held: dict[str, Checkpoint] = {}  # on a replica's worker: name -> the newest state saved to it
@@ -28,7 +31,7 @@ class ReplicaLost(RuntimeError):
     """Some workers could not take a replica (they died or left, or the call failed there)."""
 
     def __init__(self, name: str, failures: dict[str, Exception]) -> None:
-        self.workers = sorted(failures)
+        self.workers, self.failures = sorted(failures), failures
         super().__init__(f"the replica {name!r} could not be kept on "
                          + ", ".join(f"{worker} ({error!r})" for worker, error in sorted(failures.items())))
 
@@ -37,6 +40,16 @@ def _hold(name: str, step: int, state: dict[str, Any], worker: str) -> None:
     """Runs on a replica's worker: keep `state`, in place of what `name` held."""
     with _held_lock:
         _held[name] = Checkpoint(step, state, f"the replica {name!r} on {worker}")
+
+
+def _held_step(name: str) -> int | None:
+    with _held_lock:
+        return _held[name].step if name in _held else None
+
+
+def _held_copy(name: str) -> Checkpoint | None:
+    with _held_lock:
+        return _held.get(name)
 
 
 class _OnWorkers:
@@ -78,8 +91,34 @@ class ModelReplicas(ModelParallelCheckpoint):
 
     def held_step(self) -> int | None:
         """The step of the replica this worker holds under this name, or None."""
-        latest = self._store.load_latest()
-        return None if latest is None else latest.step
+        return _held_step(self._store.name)
+
+    def latest(self, among: Sequence[str] = ()) -> Checkpoint | None:
+        """The newest replica, as saved, that this worker or any of the workers `among` holds (this
+        worker's if it is as new as theirs); a worker that cannot answer is passed over."""
+        steps = {rpc.get_worker_info().name: self.held_step()}
+        asked = {worker: rpc.rpc_async(worker, _held_step, args=(self._store.name,)) for worker in among}
+        for worker, future in asked.items():
+            try:
+                steps[worker] = future.wait()
+            except PeerFailure:  # lost meanwhile: what it held is gone with it
+                continue
+        holders = [worker for worker, step in steps.items() if step is not None]
+        if not holders:
+            return None
+        newest = max(holders, key=lambda worker: steps[worker])  # the first of equals: this worker
+        return _held_copy(self._store.name) if newest == rpc.get_worker_info().name else \
+            rpc.rpc_sync(newest, _held_copy, args=(self._store.name,))
+
+    def restore(self, latest: Checkpoint, modules: Modules, optimizer: Optimizers = None, *,
+                accept: Callable[[Checkpoint], None] | None = None) -> Checkpoint:
+        """As a checkpoint's; a copy this worker held is then let go (it is restored: a later owner's
+        replicas are newer)."""
+        restored = super().restore(latest, modules, optimizer, accept=accept)
+        with _held_lock:
+            if _held.get(self._store.name) is latest:
+                del _held[self._store.name]
+        return restored
 
     @property
     def workers(self) -> list[str]:

@@ -30,12 +30,14 @@ import torch
 from shoal.checkpoint.manager import Checkpoint
 from shoal.checkpoint.model_parallel import ModelParallelCheckpoint, Modules
 from shoal.checkpoint.replica import ModelReplicas, ReplicaLost
+from shoal.errors import PeerFailure
 from shoal.optim.distributed import DistributedOptimizer
 from shoal.rpc.current import current_agent
 from shoal.rpc.functions import async_execution
 
 _Answer = tuple[torch.futures.Future, Any]  # a waiting trainer's future, and its value (an exception: raised there)
 _REPLICA = "shoal.elastic.TrainerSteps"  # the name its replicas are held under
+_FORMAT = 2  # of the place it saves: batches by their part in the epoch's order
 
 
 @dataclass(eq=False, frozen=True)
@@ -121,8 +123,9 @@ class TrainerSteps:
     @async_execution
     def next_batch(self, trainer: str) -> torch.futures.Future:
         """`trainer`'s batch of the next step, or None once every epoch is trained. Answers once
-        the step before has been applied for every trainer in it (and checkpointed, when due): call it
-        with an RPC timeout longer than a step of the slowest trainer and a checkpoint."""
+        the step before has been applied for every trainer in it (and replicated, and checkpointed
+        when due): call it with an RPC timeout longer than a step of the slowest trainer and a
+        checkpoint."""
         future: torch.futures.Future = torch.futures.Future()
         with self._lock:
             self._check_free(trainer)
@@ -150,6 +153,22 @@ class TrainerSteps:
         _answer(answers)
         return future
 
+    def add_trainer(self, trainer: str) -> None:
+        """Take `trainer` on, a worker that joined the job (a lost trainer's replacement, say): it
+        gets its batches as the others do, from the next step it asks for (it should ask at once: the
+        step under way waits for it). Its optimizer starts afresh. After the training's end, its
+        first `next_batch` answers None."""
+        agent = current_agent()
+        agent.worker(trainer)  # ValueError for a name no worker has
+        with self._lock:
+            if trainer in self._trainers:
+                raise ValueError(f"TrainerSteps: {trainer!r} is a trainer already")
+            self._trainers = self._trainers | {trainer}
+            self._living.add(trainer)
+            self._order.append(trainer)
+            if agent.is_lost(trainer):  # lost before this: no listener will tell of it again
+                self._living.discard(trainer)
+
     # ---- for the worker it lives on ----------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> None:
@@ -170,24 +189,29 @@ class TrainerSteps:
             raise RuntimeError(f"TrainerSteps: trainer {trainer!r} asked for a batch before finishing its step")
 
     def _resume(self) -> bool:
-        """Start from the replica this worker holds (a lost server's, as of its last step), else from the
-        latest checkpoint, if there is either: the modules now, the trainers' optimizers at their first
+        """Start from the newest of a lost server's replicas (on this worker or a living trainer) and its
+        latest checkpoint, if there is any: the modules now, the trainers' optimizers at their first
         steps."""
-        if not self._modules:
+        agent, found = current_agent(), []
+        if self._replicas is not None:
+            others = [name for name in self._order if name != self._here and not agent.is_lost(name)]
+            found.append((self._replicas, self._replicas.latest(among=others)))
+        if self._checkpoints is not None:
+            found.append((self._checkpoints, self._checkpoints.latest()))
+        found = [(source, latest) for source, latest in found if latest is not None]
+        if not found:
             return False
-        for source in (ModelReplicas(_REPLICA), self._checkpoints):
-            if source is not None and (latest := source.load_latest(self._modules, accept=self._check_run)):
-                break
-        else:
-            return False
+        source, latest = max(found, key=lambda each: each[1].step)  # the replica, of equals: nothing to read
+        latest = source.restore(latest, self._modules, accept=self._check_run)
         place = latest.state["trainer_steps"]
         self._epoch, self._step = place["epoch"], place["step"]
         self._parts = self._batches(self._epoch)
         self._pending.extend(place["pending"])
-        self._record, parts = list(place["applied"]), {}
+        self._record, batches = list(place["applied"]), {}
         for epoch, step, trainer, part in self._record:
-            indices = (parts[epoch] if epoch in parts else parts.setdefault(epoch, self._batches(epoch)))[part]
-            self.applied.append(Batch(epoch, step, trainer, indices, part))
+            if epoch not in batches:
+                batches[epoch] = self._batches(epoch)
+            self.applied.append(Batch(epoch, step, trainer, batches[epoch][part], part))
         self._resumed_from, self._unrestored, self.resumed = source, set(place["optimizers"]), latest
         return True
 
@@ -199,7 +223,8 @@ class TrainerSteps:
                              f"give each run a directory of its own")
 
     def _run(self) -> dict[str, int]:
-        return {"samples": self._samples, "batch_size": self._batch_size, "epochs": self._epochs, "seed": self._seed}
+        return {"samples": self._samples, "batch_size": self._batch_size, "epochs": self._epochs, "seed": self._seed,
+                "format": _FORMAT}
 
     def _place(self) -> dict[str, Any]:
         """Under the lock, between two steps: where the epochs stand, as a checkpoint or replica keeps it
@@ -308,7 +333,7 @@ class TrainerSteps:
                     self._replicate(place, optimizers)
                 if due:
                     self._checkpoints.save(place["step"], self._modules, optimizers, extra={"trainer_steps": place})
-            except Exception as exc:  # training on would lose the steps since the last checkpoint unseen
+            except Exception as exc:  # training on would lose, unseen, what the next server needs
                 failed = self._fail(f"TrainerSteps: saving step {place['step']} failed: {exc!r}")
                 answers = [(future, RuntimeError(self._error)) for future, _ in answers] + failed
             else:
@@ -319,17 +344,21 @@ class TrainerSteps:
 
     def _replicate(self, place: dict[str, Any], optimizers: dict[str, DistributedOptimizer]) -> None:
         """This step's state to the first `replicas` trainers not lost (not this worker): a trainer lost
-        meanwhile is passed over for the next, so the first living trainer always holds the newest."""
-        agent = current_agent()
-        while True:
-            living = [name for name in self._order if name != self._here and not agent.is_lost(name)]
+        meanwhile is passed over for the next, in this step, so the first living trainers hold it."""
+        agent, passed_over = current_agent(), set()
+        with self._lock:
+            order = [name for name in self._order if name != self._here]
+        for _ in range(len(order) + 1):  # each try passes over one more worker, or is the last
+            living = [name for name in order if name not in passed_over and not agent.is_lost(name)]
             self._replicas.workers = living[:self._replica_count]
             try:
                 self._replicas.save(place["step"], self._modules, optimizers, extra={"trainer_steps": place})
                 return
-            except ReplicaLost as exc:  # on a worker still living, the next server could start from an older one
-                if not all(agent.is_lost(worker) for worker in exc.workers):
+            except ReplicaLost as exc:  # one that lives without it would make a next server start from older
+                if not all(isinstance(error, PeerFailure) and error.rank == agent.worker(worker).id
+                           for worker, error in exc.failures.items()):
                     raise
+                passed_over.update(exc.workers)
 
     def _fail(self, error: str) -> list[_Answer]:
         """End the training with `error`, which every trainer that waits, or comes to, is told."""
