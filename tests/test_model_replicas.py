@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from shoal import rpc
 from shoal.checkpoint import ModelReplicas, ReplicaLost
 from shoal.optim import DistributedOptimizer
 from tests.ranks import run_rpc_ranks
+from tests.waiting import wait_until
 
 NAME = "model"
 _found = threading.Event()  # on w1: the owner has found the newest replica (w1's), so w1 may restore it
@@ -42,18 +42,11 @@ def _step(model: nn.Module, optimizer: DistributedOptimizer, seed: int) -> None:
         optimizer.step(context_id)
 
 
-def _wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited 30 s for {what}")
-        time.sleep(0.005)
-
 
 def _worker(rank: int, world: int) -> list[torch.Tensor] | None:
     name = rpc.get_worker_info().name
     if name == "w2":  # dies once it holds the first replica
-        _wait_for(lambda: ModelReplicas(NAME).held_step() == 2, "the first replica")
+        wait_until(lambda: ModelReplicas(NAME).held_step() == 2, "w2 holds the first replica", timeout=30)
         os.kill(os.getpid(), signal.SIGKILL)
     model = _model(seed=0 if name == "w0" else 1)
     optimizer = DistributedOptimizer(torch.optim.Adam, [rpc.RRef(p) for p in model.parameters()], lr=0.05)
@@ -64,7 +57,7 @@ def _worker(rank: int, world: int) -> list[torch.Tensor] | None:
         for seed in range(2):
             _step(model, optimizer, seed)
         replicas.save(2, {"model": rpc.RRef(model)}, optimizer, extra={"epoch": 0})
-        _wait_for(lambda: rpc.get_worker_info("w2") in rpc.lost_workers(), "w2 to be lost")
+        wait_until(lambda: rpc.get_worker_info("w2") in rpc.lost_workers(), "w2 is lost", timeout=30)
         _step(model, optimizer, 2)
         with pytest.raises(ReplicaLost, match="could not be kept on w2") as lost:
             replicas.save(3, {"model": rpc.RRef(model)}, optimizer, extra={"epoch": 1})

@@ -6,13 +6,13 @@ a name already taken is refused, and the joiners leave before the others, who se
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
 
 from shoal import rpc
 from tests.ranks import run_ranks
+from tests.waiting import wait_until
 
 STARTERS, JOINERS = ["w0", "w1", "w2"], ["late1", "late2"]
 _done_with_me = threading.Semaphore(0)  # on a joiner: one release per worker done calling it
@@ -29,13 +29,6 @@ def _done() -> None:
 def _name_here() -> str:
     return rpc.get_worker_info().name
 
-
-def _eventually(condition, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited 30 s for {what}")
-        time.sleep(0.01)
 
 
 def _known(name: str) -> bool:
@@ -57,7 +50,7 @@ def _worker(rank: int, world: int, port: int) -> dict:
         rpc.init_rpc(JOINERS[rank - len(STARTERS)], rpc_backend_options=options)  # no rank, no world size
     here = rpc.get_worker_info()
     for joiner in JOINERS:
-        _eventually(lambda joiner=joiner: _known(joiner), f"{joiner} to join")
+        wait_until(lambda joiner=joiner: _known(joiner), f"{joiner} has joined", timeout=30)
     seen = {name: rpc.get_worker_info(name).id for name in STARTERS + JOINERS}
     assert rpc.get_worker_info(seen["late1"]).name == "late1"  # by rank too
     doubled = {joiner: rpc.rpc_sync(joiner, _double, args=(torch.tensor([here.id]),)).item() for joiner in JOINERS
@@ -73,7 +66,7 @@ def _worker(rank: int, world: int, port: int) -> dict:
         for _ in range(others):  # every other worker is done with it: leave (shutdown does not wait for them)
             assert _done_with_me.acquire(timeout=30)
     else:
-        _eventually(lambda: len(rpc.lost_workers()) == len(JOINERS), "the joiners to leave")
+        wait_until(lambda: len(rpc.lost_workers()) == len(JOINERS), "the joiners have left", timeout=30)
         lost = sorted(worker.name for worker in rpc.lost_workers())
     rpc.shutdown()
     return {"rank": here.id, "seen": seen, "doubled": doubled, "remote": remote, "answered": answered, "lost": lost}
@@ -95,7 +88,7 @@ def _dynamic_worker(rank: int, world: int, port: int) -> list[str]:
     options = rpc.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=30)
     rpc.init_rpc(f"d{rank}", rank=rank, rpc_backend_options=options)
     for other in range(world):
-        _eventually(lambda other=other: _known(f"d{other}"), f"d{other} to join")
+        wait_until(lambda other=other: _known(f"d{other}"), f"d{other} has joined", timeout=30)
     names = [rpc.rpc_sync(f"d{other}", _name_here) for other in range(world)]
     for other in range(world):
         if other != rank:

@@ -24,6 +24,7 @@ from shoal.checkpoint import ModelParallelCheckpoint
 from shoal.elastic import TrainerSteps
 from shoal.optim import DistributedOptimizer
 from tests.ranks import run_ranks, run_rpc_ranks
+from tests.waiting import wait_until
 
 TRAINERS = ["t1", "t2", "t3"]
 SAMPLES, BATCH, EPOCHS, LR = 96, 8, 3, 0.05
@@ -147,13 +148,6 @@ def test_trainers_are_named_once() -> None:
 
 # ---- a lost trainer's place taken by a worker that joins the running job ---------------------------
 
-def _eventually(condition, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited 30 s for {what}")
-        time.sleep(0.005)
-
 
 def _add_trainer(name: str) -> None:
     _server["steps"].add_trainer(name)
@@ -182,7 +176,7 @@ def _train_with_a_joiner(rank: int, world: int, port: int) -> tuple | None:
         out = _server["initial"], [p.detach().clone() for p in model.local_value().parameters()], applied
     else:
         if name == "t4":
-            _eventually(lambda: "t3" in {worker.name for worker in rpc.lost_workers()}, "t3 to be lost")
+            wait_until(lambda: "t3" in {worker.name for worker in rpc.lost_workers()}, "t3 is lost", timeout=30)
             rpc.rpc_sync("ps", _add_trainer, args=("t4",))
         model, steps, params = rpc.rpc_sync("ps", _handles)
         optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=LR, momentum=0.9)
@@ -196,7 +190,7 @@ def _train_with_a_joiner(rank: int, world: int, port: int) -> tuple | None:
                 if (name, count) == ("t3", 2):
                     os.kill(os.getpid(), signal.SIGKILL)
                 if (name, count) == ("t1", 3):
-                    _eventually(lambda: rpc.rpc_sync("ps", _is_trainer, args=("t4",)), "t4 to be a trainer")
+                    wait_until(lambda: rpc.rpc_sync("ps", _is_trainer, args=("t4",)), "t4 is a trainer", timeout=30)
                 steps.rpc_sync().step(batch, optimizer, context_id)
     rpc.shutdown()
     return out
