@@ -143,9 +143,11 @@ class RpcAgent:
                                    f"that started it is left")
             store.set(f"ready/{rank}", 1)
             store.set(f"names/{name}", rank)  # from here the others find it by name
-            for member, _ in members:
-                if not agent.is_lost(member):
-                    agent.notify(member, welcome, (name, rank))
+            for member, _ in members:  # by rank: an earlier joiner may not have finished joining
+                try:
+                    agent._notices.notify(member, welcome, (name, rank))
+                except PeerFailure:  # lost: it needs no name
+                    continue
         except BaseException:
             current.set_current(None)
             if agent is not None:

@@ -5,8 +5,8 @@ time they meet its name or rank.
 The group's keys in the store, besides those of starting (members/R, ready/R, ...):
 - `joiners`: how many workers have begun to join; `joiner/N` the rank of the N-th;
 - `drawn`: the ranks drawn for joiners that did not ask for one; `claims/R` the claims on rank R;
-- `name-claims/NAME`: the claims on a joiner's NAME; `names/NAME` its rank, set once it is connected to
-  every member.
+- `name-claims/NAME`: the rank that claimed a joiner's NAME (null once a failed join freed it);
+  `names/NAME` that rank, set once the joiner is connected to every member.
 """
 
 from __future__ import annotations
