@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None, after_backward: Callable[[str, int], Non
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # set by `shoal run`
     trainers = [f"trainer{r}" for r in range(1, world_size)]
-    if (restart := int(os.environ.get("SHOAL_RESTART_COUNT", "0"))) > 0:  # it replaces a lost worker
+    restart = int(os.environ.get("SHOAL_RESTART_COUNT", "0"))
+    if restart > 0 and os.environ.get("SHOAL_LIVE") == "1":  # under --live, it replaces one lost worker
         name = f"trainer{rank}.{restart}"  # with no world size: it joins the running job
         store = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         rpc.init_rpc(name, rpc_backend_options=rpc.RpcBackendOptions(init_method=store))

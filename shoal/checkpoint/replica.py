@@ -103,12 +103,18 @@ class ModelReplicas(ModelParallelCheckpoint):
                 steps[worker] = future.wait()
             except PeerFailure:  # lost meanwhile: what it held is gone with it
                 continue
-        holders = [worker for worker, step in steps.items() if step is not None]
-        if not holders:
-            return None
-        newest = max(holders, key=lambda worker: steps[worker])  # the first of equals: this worker
-        return _held_copy(self._store.name) if newest == rpc.get_worker_info().name else \
-            rpc.rpc_sync(newest, _held_copy, args=(self._store.name,))
+        here = rpc.get_worker_info().name
+        holders = sorted((worker for worker, step in steps.items() if step is not None),
+                         key=lambda worker: (-steps[worker], worker != here))  # the newest; of equals, here
+        for worker in holders:
+            try:
+                copy = _held_copy(self._store.name) if worker == here else \
+                    rpc.rpc_sync(worker, _held_copy, args=(self._store.name,))
+            except PeerFailure:  # lost since it answered
+                continue
+            if copy is not None:  # None: restored from, and let go, since it answered
+                return copy
+        return None
 
     def restore(self, latest: Checkpoint, modules: Modules, optimizer: Optimizers = None, *,
                 accept: Callable[[Checkpoint], None] | None = None) -> Checkpoint:

@@ -32,6 +32,7 @@ _HANDSHAKE_TIMEOUT_S = 10.0
 # is otherwise sent again only after 1, 3, 7... s, long after the network is back.
 _CONNECT_ATTEMPT_S = 1.0
 _SOCKET_BUFFER = 4 << 20
+_ADOPT_WAIT_S = 5.0  # a joiner's connection, accepted, is adopted by its handshake thread within this
 # How long close() reads on for the goodbyes of peers closing at the same time, before it stops
 # reading the rest: reading them out spares those peers a connection reset.
 _DRAIN_S = 1.0
@@ -88,15 +89,12 @@ class Transport:
 
     def dial_member(self, peer: int, address: tuple[str, int], timeout: timedelta) -> None:
         """As a rank that joins a running group: connect to member `peer`. One that is gone (its
-        listener refuses) or not reached within `timeout` is recorded as lost, as a peer lost later
-        would be."""
+        listener refuses) is recorded as lost, as a peer lost later would be; TimeoutError if it is
+        not reached within `timeout` (it may live: the join fails, rather than go on without it)."""
         try:
             sock, _ = self._dial(peer, address, time.monotonic() + timeout.total_seconds(), refused_is_final=True)
         except PeerFailure as exc:
             self.link_lost(peer, f"it was gone when rank {self.rank} joined ({exc.detail})")
-            return
-        except TimeoutError as exc:  # not reached in the time the join has
-            self.link_lost(peer, f"rank {self.rank} could not reach it to join ({exc})")
             return
         self._adopt(peer, sock, address[1])
 
@@ -223,7 +221,7 @@ class Transport:
         opcode, dtype, redop, root, numel = op.sig
         header = FrameHeader(Kind.DATA, len(payload), op.group, op.tag, op.seq, sub, opcode, dtype, redop, root,
                              numel, flags=ACK_NOW)
-        self._links[dst].send(header, payload, tracker)
+        self._link(dst).send(header, payload, tracker)
 
     def send_message(self, dst: int, group: int, tag: int, seq: int, sub: int, payload: memoryview,
                      tracker: SendTracker | None, *, acknowledge: bool) -> None:
@@ -241,7 +239,19 @@ class Transport:
         """
         self._matcher.check_peer(dst)
         header = FrameHeader(Kind.DATA, len(payload), group, tag, seq, sub, flags=ACK_NOW if acknowledge else 0)
-        self._links[dst].send(header, payload, tracker, eager=True)
+        self._link(dst).send(header, payload, tracker, eager=True)
+
+    def _link(self, dst: int) -> PeerLink:
+        """The link to `dst`. A rank that has just joined may be known (through the store) a moment
+        before its connection here is adopted: that is waited for, briefly."""
+        link = self._links.get(dst)
+        if link is None:
+            with self._lock:
+                self._links_changed.wait_for(lambda: dst in self._links or self.closed, timeout=_ADOPT_WAIT_S)
+                link = self._links.get(dst)
+            if link is None:
+                raise PeerFailure(dst, f"rank {self.rank} has no connection to it")
+        return link
 
     def wait(self, recv: Recv) -> None:
         """Block until `recv` is in (and processed), or its op's deadline passes."""

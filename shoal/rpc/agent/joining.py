@@ -18,8 +18,8 @@ _EARLIER_JOINER_S = 10.0  # how long an earlier joiner may take between drawing 
 
 
 def left(deadline: float) -> timedelta:
-    """What is left of the join's time, as a store wait takes it."""
-    return timedelta(seconds=max(0.0, deadline - time.monotonic()))
+    """What is left of the join's time, as a store wait takes it (never 0, which c10d reads as no limit)."""
+    return timedelta(seconds=max(0.001, deadline - time.monotonic()))
 
 
 def find_group(host: str, port: int, deadline: float) -> tuple[Store, int, list[list[Any]]]:
@@ -61,9 +61,9 @@ def claim(store: Store, name: str, rank: int | None, world_size: int, entries: l
 
 
 def release(store: Store, name: str, rank: int) -> None:
-    """After a join that failed: its name and rank are free again, for a worker that tries again."""
+    """After a join that failed: its name is free again, for a worker that tries again (its rank is
+    not: members it reached remember that rank as lost)."""
     store.replace(f"name-claims/{name}", rank, None)
-    store.add(f"claims/{rank}", -1)
 
 
 def register(store: Store, rank: int, deadline: float) -> dict[int, list[Any]]:

@@ -129,12 +129,12 @@ class RpcAgent:
             transport, _ = listen(store, rank, world_size, toward=host, timeout=joining.left(deadline),
                                   stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,),
                                   open_membership=True)
-            earlier = joining.register(store, rank, deadline)  # dialled; named once they finish joining
             info = WorkerInfo(name, rank)
             workers = [WorkerInfo(entry[0], r) for r, entry in enumerate(entries)] + [info]
             agent = cls(info, workers, transport, store, options, world_size=world_size, joined=True)
             autograd_contexts.contexts.started(rank)
-            current.set_current(agent)
+            current.set_current(agent)  # before it registers: later joiners dial it from then on
+            earlier = joining.register(store, rank, deadline)  # dialled; named once they finish joining
             members = [*enumerate(entries), *earlier.items()]
             for member, entry in members:
                 transport.dial_member(member, (entry[-2], entry[-1]), joining.left(deadline))
