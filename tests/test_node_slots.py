@@ -108,6 +108,7 @@ def test_a_launcher_killed_a_moment_before_the_job_forms_is_left_out(
     with ThreadPoolExecutor(3) as pool:
         first = pool.submit(node("a", min_nodes=3, max_nodes=4).place, None, join_timeout=LONG, last_call=NOW,
                             take_late=True)
+        wait_until(lambda: store.has("slot/0"), "a has taken slot 0", timeout=10)  # on the pool's thread
         next(k for k in itertools.count() if store.compare_set(f"slot/{k}", "b") == "b")  # slot 1, beating
         dead = _beating(store, "b")
         wait_until(lambda: store.add("b/beats", 0) > 3, "b has beaten", timeout=10, interval=0.01)
