@@ -1,0 +1,176 @@
+"""Sharded training: shoal's fully_shard beside torch's, and what each rank holds under DDP, ZeRO-1 and fully_shard.
+
+    python benchmarks/shard.py              # or: shoal bench shard (4 ranks)
+    python benchmarks/shard.py --quick      # 2 ranks, a smaller model, fewer steps
+
+Two parts, each with fresh processes:
+- step time: a step (zero_grad, forward, loss, backward, SGD) of a GPT sharded block by block, with shoal's
+  `shoal.parallel.fully_shard` over shoal's collectives, torch's `torch.distributed.fsdp.fully_shard` over
+  gloo, and torch's over shoal's torch backend, taken in turn in the same processes: the slowest rank's
+  median;
+- memory: one run per way of training a larger GPT with Adam (shoal's DistributedDataParallel; it with
+  shoal's ZeroRedundancyOptimizer; shoal's fully_shard on the embedding, each block and the head, as
+  torchtitan shards), a few steps each: the most any rank's resident memory grew over what it was before
+  the model was made (its peak, from getrusage), less what the same run grows with a toy model (the cost of
+  a process that trains at all: autograd's and the transport's threads and buffers), beside the model's
+  state per rank (16 bytes per parameter for DDP with Adam, 16 / N for fully_shard). glibc's mmap
+  threshold is fixed (MALLOC_MMAP_THRESHOLD_), so that a freed buffer leaves the resident set and the peak
+  is what was live at once, not the heap's high-water mark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
+from benchmarks._steps import interleaved, training_step
+from tests.ranks import run_ranks
+
+MODELS = {"step": dict(vocab=2048, dim=256, blocks=4, heads=8), "memory": dict(vocab=8192, dim=512, blocks=8, heads=8)}
+QUICK_MODELS = {"step": MODELS["step"], "memory": dict(vocab=4096, dim=256, blocks=4, heads=8)}
+TOY = dict(vocab=64, dim=16, blocks=1, heads=2)
+WAYS = ("DDP", "ZeRO-1", "fully_shard")
+
+
+def _gpt(shape: dict):
+    import torch
+
+    from tests.small_gpt import SmallGPT
+
+    torch.manual_seed(0)
+    return SmallGPT(**shape)
+
+
+def _batch(rank: int, vocab: int):
+    import torch
+
+    tokens = torch.randint(0, vocab, (4, 65), generator=torch.Generator().manual_seed(rank))
+    return tokens[:, :-1], tokens[:, 1:].flatten()
+
+
+def _step_worker(rank: int, world: int, shape: dict, steps: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shoal.parallel import fully_shard
+
+    gloo = tdist.new_group(backend="gloo")
+    programs: dict[str, Callable[[], None]] = {}
+    batch = _batch(rank, shape["vocab"])
+    ours = _gpt(shape)
+    for block in ours.blocks:
+        fully_shard(block)
+    programs["shoal fully_shard"] = training_step(fully_shard(ours), batch)
+    for label, group in (("torch fully_shard on gloo", gloo), ("torch fully_shard on shoal", tdist.group.WORLD)):
+        theirs, mesh = _gpt(shape), DeviceMesh.from_group(group, "cpu")
+        for block in theirs.blocks:
+            torch_fully_shard(block, mesh=mesh)
+        programs[label] = training_step(torch_fully_shard(theirs, mesh=mesh), batch)
+    medians = interleaved(programs, steps, lambda: tdist.barrier(group=gloo))
+    slowest = {}
+    for label, seconds in medians.items():
+        t = torch.tensor([seconds], dtype=torch.float64)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=gloo)
+        slowest[label] = t.item()
+    return slowest
+
+
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _memory_worker(rank: int, world: int, shape: dict, way: str, steps: int) -> dict[str, float]:
+    import gc
+    import resource
+
+    import torch
+    from torch import nn
+
+    from shoal.optim import ZeroRedundancyOptimizer
+    from shoal.parallel import DistributedDataParallel, fully_shard
+
+    gc.collect()
+    before = _resident_bytes()
+    model = _gpt(shape)
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in part.parameters()) for part in (model.embed, *model.blocks, model.head))
+    if way == "fully_shard":
+        for part in (model.embed, *model.blocks, model.head):
+            fully_shard(part)
+        model = fully_shard(model)
+    else:
+        model = DistributedDataParallel(model)
+    if way == "ZeRO-1":
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x, y = _batch(rank, shape["vocab"])
+    saved: dict[int, int] = {}  # what autograd keeps for backward, by storage: the activations
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # fully_shard's whole ones too
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+    for step in range(steps):
+        with torch.autograd.graph.saved_tensors_hooks(keep if step == 0 else lambda t: t, lambda t: t):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"growth": peak - before, "params": params, "largest": largest, "activations": sum(saved.values())}
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per program")
+    parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="2 ranks, a smaller model for memory, 4 steps")
+    args = parser.parse_args(argv)
+    models = QUICK_MODELS if args.quick else MODELS
+    if args.quick:
+        args.world_size, args.steps = 2, 4
+    n = args.world_size
+    times = run_ranks(_step_worker, n, models["step"], args.steps, timeout=None)[0]
+    gloo = times["torch fully_shard on gloo"]
+    lines = [f"step time, GPT {models['step']}, {n} ranks (slowest rank's median of {args.steps}):", "",
+             "| program | step | / torch on gloo |", "|---|---|---|"]
+    lines += [f"| {label} | {seconds * 1e3:,.1f} ms | {seconds / gloo:.2f}x |" for label, seconds in times.items()]
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # the spawned ranks inherit it
+    lines += ["", f"memory, GPT {models['memory']}, Adam, {n} ranks (the largest rank's peak resident growth, less "
+              f"a toy model's):", "",
+              "| training | toy's growth | peak growth less toy's | model state per rank | activations | "
+              "/ (state + activations + the largest module gathered) |", "|---|---|---|---|---|---|"]
+    for way in WAYS:
+        toy = max(r["growth"] for r in run_ranks(_memory_worker, n, TOY, way, args.memory_steps, timeout=None).values())
+        out = run_ranks(_memory_worker, n, models["memory"], way, args.memory_steps, timeout=None)
+        growth = max(result["growth"] for result in out.values()) - toy
+        params, largest, activations = out[0]["params"], out[0]["largest"], out[0]["activations"]
+        # DDP and ZeRO-1 hold whole parameters and gradients (4 + 4 bytes each); Adam's state is 8 bytes, all
+        # of it under DDP, 1/N under ZeRO-1. fully_shard holds 1/N of all 16, and one module's whole
+        # parameters (4 bytes each) while it computes.
+        state = {"DDP": 16 * params, "ZeRO-1": 8 * params + 8 * params / n, "fully_shard": 16 * params / n}[way]
+        gathered = 4 * largest if way == "fully_shard" else 0
+        lines.append(f"| {way} | {_mib(toy)} | {_mib(growth)} | {_mib(state)} | {_mib(activations)} | "
+                     f"{growth / (state + activations + gathered):.2f}x |")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

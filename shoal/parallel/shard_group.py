@@ -1,0 +1,210 @@
+"""The parameters of one `fully_shard` call, stored as this rank's rows and gathered whole only while used.
+
+Each parameter is cut along dim 0 into world-size blocks of ceil(rows / world) rows (the last ones may be
+short or empty), as FSDP2 does. A rank keeps its block as the `nn.Parameter` its module shows and its
+optimizer steps. One all-gather of a flat buffer (every parameter's block, padded to full length, side by
+side) makes the whole parameters; one reduce-scatter of the gradients laid out the same way gives each rank
+the mean gradient of its rows.
+
+The whole parameter is one `nn.Parameter` per parameter for the life of the module: autograd saves it in
+forward and reads it in backward, so it keeps its identity while its storage is freed (resized to 0 bytes)
+between uses and gathered again before backward. It is written through `.data`, whose version counter is
+its own, so refilling it is not an in-place change autograd would refuse.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shoal.comm.algorithms.reduce_op import ReduceOp
+from shoal.comm.backends.group import ProcessGroup
+from shoal.comm.backends.work import Work
+
+
+@dataclass
+class ShardedParam:
+    """One parameter: where it is registered, its shard, its whole form, and its place in the flat buffer."""
+
+    module: nn.Module
+    name: str
+    path: str  # its name under the fully_shard module, the state dict's key less the module's prefix
+    shard: nn.Parameter
+    full: nn.Parameter
+    rows: int  # rows per rank's block (padded)
+    row_numel: int
+    offset: int  # where its block starts in a rank's part of the flat buffer
+
+    def block(self, rank: int) -> slice:
+        """The rows of the whole parameter that `rank` holds."""
+        start = min(rank * self.rows, self.full.shape[0])
+        return slice(start, min(start + self.rows, self.full.shape[0]))
+
+    def flat(self, rank: int) -> slice:
+        """Where `rank`'s rows sit in a rank's part of the flat buffer (without the padding)."""
+        rows = self.block(rank)
+        return slice(self.offset, self.offset + (rows.stop - rows.start) * self.row_numel)
+
+    def register(self, param: nn.Parameter) -> None:
+        self.module._parameters[self.name] = param
+
+
+def _free(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(0)
+
+
+def _allocate(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+
+
+class ShardGroup:
+    """Gathers and frees the whole parameters of one module, and reduce-scatters their gradients."""
+
+    def __init__(self, named: list[tuple[str, nn.Module, str, nn.Parameter]], group: ProcessGroup) -> None:
+        self.group = group
+        self.world, self.rank = group.size, group.rank
+        dtypes = {param.dtype for *_, param in named}
+        if len(dtypes) > 1:
+            raise ValueError(f"fully_shard: one call shards parameters of one dtype (it gathers them as one "
+                             f"buffer); got {sorted(map(str, dtypes))}: call fully_shard on the submodules whose "
+                             f"parameters differ")
+        self.params: list[ShardedParam] = []
+        offset = 0
+        for path, module, name, param in named:
+            if param.dim() == 0:
+                raise ValueError(f"fully_shard cannot shard the 0-dimensional parameter {path!r}: it shards "
+                                 f"along dim 0; give it shape [1]")
+            rows = math.ceil(param.shape[0] / self.world)
+            row_numel = math.prod(param.shape[1:])
+            full = nn.Parameter(torch.empty_like(param), requires_grad=param.requires_grad)
+            _free(full)
+            slot = ShardedParam(module, name, path, param, full, rows, row_numel, offset)
+            slot.shard = nn.Parameter(param.detach()[slot.block(self.rank)].clone(),
+                                      requires_grad=param.requires_grad)
+            slot.register(slot.shard)
+            self.params.append(slot)
+            offset += rows * row_numel
+        self.part_numel = offset  # one rank's part of the flat buffer
+        self.dtype = next(iter(dtypes)) if dtypes else torch.float32
+        self.device = named[0][3].device if named else torch.device("cpu")
+        self.gathered = False
+        self._gathering: tuple[Work, torch.Tensor] | None = None
+        self._reducing: tuple[Work, torch.Tensor, list[ShardedParam]] | None = None
+        self._awaiting: set[int] | None = None  # the ids of the whole parameters whose gradient is still to come
+
+    # --- gathering -----------------------------------------------------------------------------------------
+
+    def start_gather(self) -> None:
+        """Start gathering the whole parameters (a no-op while they are gathered or being gathered)."""
+        if self.gathered or self._gathering is not None or not self.params:
+            return
+        part = self._part([slot.shard.detach() for slot in self.params])
+        everyone = torch.empty(self.world * self.part_numel, dtype=self.dtype, device=self.device)
+        work = self.group.all_gather_into_tensor(everyone, part, async_op=True)
+        self._gathering = (work, everyone)
+
+    def finish_gather(self) -> None:
+        """Make the whole parameters the module's, waiting for their gather (started here if it was not)."""
+        if self.gathered or not self.params:
+            return
+        self.start_gather()
+        assert self._gathering is not None
+        work, everyone = self._gathering
+        work.wait()
+        self._gathering = None
+        for slot in self.params:
+            _allocate(slot.full)
+        self._copy_out(everyone, [slot.full.data for slot in self.params])
+        for slot in self.params:
+            slot.register(slot.full)
+        self.gathered = True
+
+    def drop_gather(self) -> None:
+        """Wait for a gather started but not used (a prefetch for a module that did not run) and drop it."""
+        if self._gathering is not None:
+            self._gathering[0].wait()
+            self._gathering = None
+
+    def reshard(self) -> None:
+        """Free the whole parameters; the module shows its shards again."""
+        if not self.gathered:
+            return
+        for slot in self.params:
+            slot.register(slot.shard)
+            slot.full.grad = None
+            _free(slot.full)
+        self.gathered = False
+
+    def full_tensors(self) -> list[torch.Tensor]:
+        """The whole parameters as new tensors, gathered now (a collective: every rank of the group calls it)."""
+        everyone = torch.empty(self.world * self.part_numel, dtype=self.dtype, device=self.device)
+        self.group.all_gather_into_tensor(everyone, self._part([slot.shard.detach() for slot in self.params]),
+                                          async_op=False)
+        fulls = [torch.empty(slot.full.shape, dtype=self.dtype, device=self.device) for slot in self.params]
+        self._copy_out(everyone, fulls)
+        return fulls
+
+    def _part(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        part = torch.zeros(self.part_numel, dtype=self.dtype, device=self.device)
+        for slot, shard in zip(self.params, shards, strict=True):
+            part[slot.flat(self.rank)].copy_(shard.reshape(-1))
+        return part
+
+    def _copy_out(self, everyone: torch.Tensor, fulls: list[torch.Tensor]) -> None:
+        by_rank = everyone.view(self.world, self.part_numel)
+        for slot, full in zip(self.params, fulls, strict=True):
+            for rank in range(self.world):
+                full[slot.block(rank)].view(-1).copy_(by_rank[rank, slot.flat(rank)])
+
+    # --- gradients ------------------------------------------------------------------------------------------
+
+    def start_reduce(self) -> None:
+        """Start reduce-scattering the gradients the whole parameters hold, and let them go. The parameters
+        that have one are the same on every rank (each runs the same graph)."""
+        with_grad = [slot for slot in self.params if slot.full.grad is not None]
+        if not with_grad:
+            return
+        assert self._reducing is None, "a group's gradients are reduced once per backward"
+        everyone = torch.zeros(self.world, self.part_numel, dtype=self.dtype, device=self.device)
+        for slot in with_grad:
+            grad = slot.full.grad
+            for rank in range(self.world):
+                everyone[rank, slot.flat(rank)].copy_(grad[slot.block(rank)].reshape(-1))
+            slot.full.grad = None
+        mine = torch.empty(self.part_numel, dtype=self.dtype, device=self.device)
+        work = self.group.reduce_scatter_tensor(mine, everyone.view(-1), ReduceOp.AVG, async_op=True)
+        self._reducing = (work, mine, with_grad)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter; each shard's `.grad` gets (or adds) the mean of its rows."""
+        if self._reducing is None:
+            return
+        work, mine, with_grad = self._reducing
+        work.wait()
+        self._reducing = None
+        for slot in with_grad:
+            grad = mine[slot.flat(self.rank)].view(slot.shard.shape)
+            if slot.shard.grad is None:
+                slot.shard.grad = grad
+            else:
+                slot.shard.grad += grad
+
+    def grad_hooks(self, ready: Callable[[], None]) -> list[torch.utils.hooks.RemovableHandle]:
+        """Call `ready()` once every whole parameter that trains has its gradient of this backward."""
+        training = [slot.full for slot in self.params if slot.full.requires_grad]
+
+        def hook(param: torch.Tensor) -> None:
+            if self._awaiting is None:
+                self._awaiting = set(map(id, training))
+            self._awaiting.discard(id(param))
+            if not self._awaiting:
+                ready()
+        return [param.register_post_accumulate_grad_hook(hook) for param in training]
+
+    def end_backward(self) -> None:
+        """Forget which gradients arrived: a parameter this backward did not reach may be reached by the next."""
+        self._awaiting = None

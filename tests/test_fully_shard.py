@@ -1,0 +1,198 @@
+"""fully_shard (ZeRO stage 3) trains a small GPT, block by block, to the parameters the unsharded model reaches on
+one process with the whole batch, at world sizes 2, 3 and 4 (rows that do not divide evenly, ranks with no rows of
+a small parameter), with reshard_after_forward off, with gradients accumulated over two backwards, with frozen and
+unused parameters; each rank holds its 1/N of the parameters, gradients and Adam state, and the whole parameters of
+at most the root and two blocks at once; the whole state dict it gives loads onto another number of ranks and
+trains on as the unsharded model does. Errors name what to do."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.ranks import run_ranks
+from tests.small_gpt import SmallGPT
+
+VOCAB, DIM, BLOCKS, HEADS, BATCH, LENGTH, STEPS = 30, 10, 3, 2, 12, 8, 3
+
+
+def _gpt() -> SmallGPT:
+    torch.manual_seed(0)
+    return SmallGPT(VOCAB, DIM, BLOCKS, HEADS).double()
+
+
+def _batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s batch, or `rank`'s rows of it."""
+    tokens = torch.randint(0, VOCAB, (BATCH, LENGTH + 1), generator=torch.Generator().manual_seed(step))
+    rows = tokens.chunk(world)[rank]
+    return rows[:, :-1], rows[:, 1:].flatten()
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, rank: int = 0, world: int = 1,
+           accumulate: int = 1) -> None:
+    """Each step: `accumulate` backwards of the batch's halves (the mean of their losses), then a step."""
+    for step in steps:
+        x, y = _batch(step, rank, world)
+        for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate), strict=True):
+            (nn.functional.cross_entropy(model(xs), ys) / accumulate).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+    model = _gpt()
+    _train(model, torch.optim.Adam(model.parameters(), lr=0.01), range(steps))
+    return model.state_dict()
+
+
+def _sharded_gpt(reshard_after_forward: bool = True) -> SmallGPT:
+    from shoal.parallel import fully_shard
+
+    model = _gpt()
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model)
+
+
+def _gathered(model: nn.Module) -> list[str]:
+    """The fully_shard modules whose whole parameters hold memory now, or are being gathered."""
+    from shoal.parallel import FSDPModule
+
+    def holds(group) -> bool:
+        return group._gathering is not None or any(slot.full.untyped_storage().nbytes() for slot in group.params)
+    return [name or "root" for name, module in model.named_modules()
+            if isinstance(module, FSDPModule) and holds(module._shoal_shards.group)]
+
+
+def _sharded_training(rank: int, world: int, reshard_after_forward: bool, accumulate: int) -> dict:
+    model = _sharded_gpt(reshard_after_forward)
+    held = sum(p.numel() for p in model.parameters())
+    at_once: list[list[str]] = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda *_: at_once.append(_gathered(model)))  # runs after fully_shard's
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    _train(model, optimizer, range(STEPS), rank, world, accumulate)
+    state_numel = sum(t.numel() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
+    state = model.state_dict()
+    x, y = _batch(0, rank, world)
+    nn.functional.cross_entropy(model(x), y).backward()
+    return {"state": state, "held": held, "adam_state": state_numel, "at_once": at_once, "freed": _gathered(model),
+            "grad_numel": sum(p.grad.numel() for p in model.parameters())}
+
+
+@pytest.mark.parametrize(("world", "reshard_after_forward", "accumulate"), [(2, True, 2), (3, False, 1), (4, True, 1)])
+def test_sharded_training_equals_the_unsharded_model(world: int, reshard_after_forward: bool,
+                                                     accumulate: int) -> None:
+    out = run_ranks(_sharded_training, world, reshard_after_forward, accumulate)
+    reference = _reference()
+    for rank in range(world):
+        for key, value in reference.items():
+            torch.testing.assert_close(out[rank]["state"][key], value, rtol=1e-9, atol=1e-9,
+                                       msg=lambda m, k=key, r=rank: f"rank {r}, {k}: {m}")
+    whole = sum(p.numel() for p in _gpt().parameters())
+    rows_padded = sum(math.ceil(p.shape[0] / world) * p[0].numel() for p in _gpt().parameters())
+    held = [out[rank]["held"] for rank in range(world)]
+    assert sum(held) == whole, f"the shards of {world} ranks hold {held} elements, the model {whole}"
+    assert max(held) <= rows_padded, f"a rank holds {max(held)} elements, its padded share is {rows_padded}"
+    for rank in range(world):
+        assert out[rank]["adam_state"] == 2 * held[rank], "Adam's state is two tensors the size of the shards"
+        assert out[rank]["grad_numel"] == held[rank], "each rank's gradients are its shards' size"
+        assert out[rank]["freed"] == [], f"whole parameters outlive backward: {out[rank]['freed']}"
+        most = max(len(gathered) for gathered in out[rank]["at_once"])
+        limit = 1 + BLOCKS if not reshard_after_forward else 3  # the root, this block, the next one prefetched
+        assert most <= limit, f"whole parameters of {most} modules at once: {out[rank]['at_once']}"
+
+
+class _Branches(nn.Module):
+    """A block with a frozen layer and a layer its forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.frozen, self.unused = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 5)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(torch.tanh(self.used(x)))
+
+
+def _branches() -> nn.Sequential:
+    torch.manual_seed(1)
+    return nn.Sequential(_Branches(), _Branches(), nn.Linear(5, 2)).double()
+
+
+def _train_branches(model: nn.Module, rank: int, world: int) -> None:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(8, 5, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+        nn.functional.mse_loss(model(x.chunk(world)[rank]), torch.ones(8 // world, 2, dtype=torch.float64)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _edges(rank: int, world: int) -> dict:
+    from shoal.parallel import fully_shard
+
+    model = _branches()
+    for block in model[:2]:
+        fully_shard(block)
+    fully_shard(model)
+    _train_branches(model, rank, world)
+    errors = {}
+    for label, call in {
+        "again": lambda: fully_shard(model),
+        "mesh": lambda: fully_shard(nn.Linear(2, 2), mesh=object()),
+        "scalar": lambda: fully_shard(nn.ParameterList([nn.Parameter(torch.tensor(1.0))])),
+        "dtypes": lambda: fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())),
+        "shared": lambda: fully_shard(_tied()),
+    }.items():
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            errors[label] = f"{type(exc).__name__}: {exc}"
+    return {"state": model.state_dict(), "errors": errors}
+
+
+def _tied() -> nn.Sequential:
+    first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+    second.weight = first.weight
+    return nn.Sequential(first, second)
+
+
+def test_frozen_and_unused_parameters_train_as_unsharded_and_mistakes_are_named() -> None:
+    out = run_ranks(_edges, 2)
+    reference = _branches()
+    _train_branches(reference, 0, 1)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(out[0]["state"][key], value, rtol=1e-9, atol=1e-9, msg=lambda m, k=key: f"{k}: {m}")
+    errors = out[0]["errors"]
+    assert errors["again"].startswith("ValueError: fully_shard was already called"), errors
+    assert "pass group=" in errors["mesh"], errors
+    assert "0-dimensional parameter '0'" in errors["scalar"], errors
+    assert "one dtype" in errors["dtypes"] and "torch.float64" in errors["dtypes"], errors
+    assert "'1.weight' is the same parameter as '0.weight'" in errors["shared"], errors
+
+
+def _resume(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    model = _sharded_gpt()
+    model.load_state_dict(torch.load(path))
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.05), range(STEPS, STEPS + 2), rank, world)
+    return model.state_dict()
+
+
+def test_a_whole_state_dict_loads_onto_any_number_of_ranks(tmp_path) -> None:
+    """What `state_dict()` gives on 4 ranks is the reference's (the test above); loaded on 3 ranks, each takes
+    its rows, and training goes on as the unsharded model's."""
+    path = str(tmp_path / "gpt.pt")
+    saved = _reference()
+    torch.save(saved, path)
+    resumed = run_ranks(_resume, 3, path)
+    reference = _gpt()
+    reference.load_state_dict(saved)
+    _train(reference, torch.optim.SGD(reference.parameters(), lr=0.05), range(STEPS, STEPS + 2))
+    for rank in range(3):
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(resumed[rank][key], value, rtol=1e-9, atol=1e-9,
+                                       msg=lambda m, k=key, r=rank: f"rank {r}, {k}: {m}")
