@@ -3,7 +3,8 @@ one process with the whole batch, at world sizes 2, 3 and 4 (rows that do not di
 a small parameter), with reshard_after_forward off, with gradients accumulated over two backwards, with frozen and
 unused parameters; each rank holds its 1/N of the parameters, gradients and Adam state, and the whole parameters of
 at most the root and two blocks at once; the whole state dict it gives loads onto another number of ranks and
-trains on as the unsharded model does. Errors name what to do."""
+trains on as the unsharded model does; under Join, ranks with fewer batches take their part in the others' steps
+and every rank ends with the model the unsharded one reaches. Errors name what to do."""
 
 from __future__ import annotations
 
@@ -133,7 +134,7 @@ def _train_branches(model: nn.Module, rank: int, world: int) -> None:
 
 
 def _edges(rank: int, world: int) -> dict:
-    from shoal.parallel import fully_shard
+    from shoal.parallel import Join, fully_shard
 
     model = _branches()
     for block in model[:2]:
@@ -147,6 +148,8 @@ def _edges(rank: int, world: int) -> dict:
         "scalar": lambda: fully_shard(nn.ParameterList([nn.Parameter(torch.tensor(1.0))])),
         "dtypes": lambda: fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())),
         "shared": lambda: fully_shard(_tied()),
+        "join without optimizer": lambda: Join([model]),
+        "join on a block": lambda: Join([model[0]], optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
     }.items():
         try:
             call()
@@ -173,6 +176,8 @@ def test_frozen_and_unused_parameters_train_as_unsharded_and_mistakes_are_named(
     assert "0-dimensional parameter '0'" in errors["scalar"], errors
     assert "one dtype" in errors["dtypes"] and "torch.float64" in errors["dtypes"], errors
     assert "'1.weight' is the same parameter as '0.weight'" in errors["shared"], errors
+    assert "Join([model], optimizer=opt)" in errors["join without optimizer"], errors
+    assert "takes the root fully_shard module" in errors["join on a block"], errors
 
 
 def _resume(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
@@ -195,4 +200,36 @@ def test_a_whole_state_dict_loads_onto_any_number_of_ranks(tmp_path) -> None:
     for rank in range(3):
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(resumed[rank][key], value, rtol=1e-9, atol=1e-9,
+                                       msg=lambda m, k=key, r=rank: f"rank {r}, {k}: {m}")
+
+
+UNEVEN = [1, 3, 2]  # batches per rank
+
+
+def _uneven(rank: int, world: int) -> dict[str, torch.Tensor]:
+    from shoal.parallel import Join
+
+    model = _sharded_gpt()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with Join([model], optimizer=optimizer):
+        _train(model, optimizer, range(UNEVEN[rank]), rank, world)
+    return model.state_dict()
+
+
+def test_ranks_with_fewer_batches_join_and_every_rank_ends_with_the_same_model() -> None:
+    """A joined rank gives zeros to the mean, as under DDP's Join: step s trains on the rows of the ranks that
+    still have batch s, its loss divided by the number of ranks."""
+    world = len(UNEVEN)
+    out = run_ranks(_uneven, world)
+    reference = _gpt()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(max(UNEVEN)):
+        live = [rank for rank in range(world) if step < UNEVEN[rank]]
+        loss = sum(nn.functional.cross_entropy(reference(x), y) for x, y in (_batch(step, r, world) for r in live))
+        (loss / world).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for rank in range(world):
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(out[rank][key], value, rtol=1e-9, atol=1e-9,
                                        msg=lambda m, k=key, r=rank: f"rank {r}, {k}: {m}")

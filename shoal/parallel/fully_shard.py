@@ -24,6 +24,8 @@ from torch.utils._pytree import tree_flatten
 
 from shoal.comm.api.world import default_group
 from shoal.comm.backends.group import ProcessGroup
+from shoal.parallel.fully_shard_join import FullyShardJoinHook, announce_step
+from shoal.parallel.join import JoinHook, _JoinConfig
 from shoal.parallel.shard_group import ShardGroup
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -47,6 +49,19 @@ class FSDPModule:
         """Keep the whole parameters from forward to backward (False: less communication, more memory)."""
         self._shoal_shards.reshard_after_forward = reshard_after_forward
 
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """For Join([model], optimizer=opt): the root module takes a joined rank's part in the live ranks'
+        steps, and steps its rows with `optimizer` (fully_shard_join.py)."""
+        return FullyShardJoinHook(self, kwargs.get("optimizer"))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._shoal_shards.group.device
+
+    @property
+    def join_process_group(self) -> ProcessGroup:
+        return self._shoal_shards.group.group
+
 
 class _Tree:
     """The fully_shard modules under one root: the order of their forwards, and one end of each backward."""
@@ -58,6 +73,11 @@ class _Tree:
         self.last_order: list[_Sharding] = []  # the last whole forward's: what to prefetch
         self.running = False  # the root's forward is under way
         self.in_backward = False
+        # The collectives of this step so far, by member, as they start; those of the last forward, and of the
+        # last whole training step: what a rank joined under Join makes again (fully_shard_join.py).
+        self.step_ops: list[tuple[_Sharding, tuple]] = []
+        self.forward_ops: list[tuple[_Sharding, tuple]] | None = None
+        self.training_ops: list[tuple[_Sharding, tuple]] | None = None
 
     def next_in_forward(self, sharding: _Sharding) -> _Sharding | None:
         return _after(self.last_order, sharding)
@@ -83,6 +103,7 @@ class _Tree:
             member.group.end_backward()
             member.backward_started = False
         self.in_backward = False
+        self.training_ops = list(self.step_ops)
 
 
 def _after(order: list[_Sharding], sharding: _Sharding) -> _Sharding | None:
@@ -101,6 +122,7 @@ class _Sharding:
         self.reshard_after_forward = reshard_after_forward
         self.tree: _Tree | None = None
         self.backward_started = False
+        group.started = self._started
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward, prepend=True),
             module.register_forward_hook(self._after_forward),
@@ -121,7 +143,8 @@ class _Sharding:
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         tree = self.tree or self._root_of_tree()
         if tree.root is self:
-            tree.order, tree.running = [], True
+            tree.order, tree.running, tree.step_ops = [], True, []
+            announce_step(module)
         if tree.running:  # not when a block is called on its own
             tree.order.append(self)
         self.group.finish_gather()
@@ -136,11 +159,16 @@ class _Sharding:
             self.group.reshard()
         if self.tree.root is self:
             self.tree.last_order, self.tree.running = self.tree.order, False
+            self.tree.forward_ops = list(self.tree.step_ops)
         if training:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(self._before_backward)
         return output
+
+    def _started(self, op: tuple) -> None:
+        if self.tree is not None:
+            self.tree.step_ops.append((self, op))
 
     def _before_backward(self, grad: torch.Tensor) -> None:
         """The gradient of one of the module's outputs has arrived: its own backward is next."""
@@ -223,4 +251,5 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, group: ProcessGroup | No
         _classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     module.__class__ = _classes[cls]
     module._shoal_shards = _Sharding(module, sharded, reshard_after_forward)
+    module._join_config = _JoinConfig.construct_disabled_join_config()  # what a Joinable's constructor sets
     return module

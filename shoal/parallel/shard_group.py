@@ -95,6 +95,9 @@ class ShardGroup:
         self._gathering: tuple[Work, torch.Tensor] | None = None
         self._reducing: tuple[Work, torch.Tensor, list[ShardedParam]] | None = None
         self._awaiting: set[int] | None = None  # the ids of the whole parameters whose gradient is still to come
+        # Told of each collective this group starts: ("gather",) or ("reduce", the parameters with gradients).
+        # A rank that has run out of inputs under Join makes the same ones again (fully_shard_join.py).
+        self.started: Callable[[tuple], None] = lambda op: None
 
     # --- gathering -----------------------------------------------------------------------------------------
 
@@ -106,6 +109,7 @@ class ShardGroup:
         everyone = torch.empty(self.world * self.part_numel, dtype=self.dtype, device=self.device)
         work = self.group.all_gather_into_tensor(everyone, part, async_op=True)
         self._gathering = (work, everyone)
+        self.started(("gather",))
 
     def finish_gather(self) -> None:
         """Make the whole parameters the module's, waiting for their gather (started here if it was not)."""
@@ -178,6 +182,7 @@ class ShardGroup:
         mine = torch.empty(self.part_numel, dtype=self.dtype, device=self.device)
         work = self.group.reduce_scatter_tensor(mine, everyone.view(-1), ReduceOp.AVG, async_op=True)
         self._reducing = (work, mine, with_grad)
+        self.started(("reduce", with_grad))
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter; each shard's `.grad` gets (or adds) the mean of its rows."""
@@ -186,12 +191,30 @@ class ShardGroup:
         work, mine, with_grad = self._reducing
         work.wait()
         self._reducing = None
+        self._add_grads(mine, with_grad)
+
+    def _add_grads(self, mine: torch.Tensor, with_grad: list[ShardedParam]) -> None:
         for slot in with_grad:
             grad = mine[slot.flat(self.rank)].view(slot.shard.shape)
             if slot.shard.grad is None:
                 slot.shard.grad = grad
             else:
                 slot.shard.grad += grad
+
+    # --- a joined rank's part in the live ranks' collectives ---------------------------------------------
+
+    def shadow_gather(self) -> None:
+        """Give this rank's rows to a gather the live ranks make; what comes back is not needed here."""
+        everyone = torch.empty(self.world * self.part_numel, dtype=self.dtype, device=self.device)
+        self.group.all_gather_into_tensor(everyone, self._part([slot.shard.detach() for slot in self.params]),
+                                          async_op=False)
+
+    def shadow_reduce(self, with_grad: list[ShardedParam]) -> None:
+        """Give zeros to a reduce-scatter the live ranks make; this rank's shards get their rows' mean."""
+        mine = torch.empty(self.part_numel, dtype=self.dtype, device=self.device)
+        everyone = torch.zeros(self.world * self.part_numel, dtype=self.dtype, device=self.device)
+        self.group.reduce_scatter_tensor(mine, everyone, ReduceOp.AVG, async_op=False)
+        self._add_grads(mine, with_grad)
 
     def grad_hooks(self, ready: Callable[[], None]) -> list[torch.utils.hooks.RemovableHandle]:
         """Call `ready()` once every whole parameter that trains has its gradient of this backward."""
