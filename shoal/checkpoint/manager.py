@@ -154,12 +154,33 @@ class CheckpointManager:
             path = self.directory / entry["file"]
             problem = _verify(path, entry)
             if problem:
-                message = f"skipping checkpoint {path}: {problem}"
-                log.warning(message)
-                print(f"shoal: {message}", file=sys.stderr)
+                _warn_skipped(path, problem)
                 continue
             return Checkpoint(entry["step"], torch.load(path, weights_only=True), path)
         return None
+
+    def per_rank_steps(self) -> set[int]:
+        """Every step some rank's manifest names (`save(..., per_rank=True)` by a job of any size)."""
+        return {entry["step"] for manifest in self.directory.glob("manifest-rank*.json")
+                for entry in self._entries(manifest)}
+
+    def verified_file(self, step: int, *, rank: int) -> Path | None:
+        """The file `rank` wrote for `step` with per_rank=True, if its manifest names it and it verifies."""
+        for entry in self._entries(self.directory / f"manifest-rank{rank}.json"):
+            if entry["step"] == step:
+                path = self.directory / entry["file"]
+                problem = _verify(path, entry)
+                if problem:
+                    _warn_skipped(path, problem)
+                    return None
+                return path
+        return None
+
+
+def _warn_skipped(path: Path, problem: str) -> None:
+    message = f"skipping checkpoint {path}: {problem}"
+    log.warning(message)
+    print(f"shoal: {message}", file=sys.stderr)
 
 
 def _verify(path: Path, entry: dict) -> str | None:
