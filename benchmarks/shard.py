@@ -2,6 +2,7 @@
 
     python benchmarks/shard.py              # or: shoal bench shard (4 ranks)
     python benchmarks/shard.py --quick      # 2 ranks, a smaller model, fewer steps
+    python benchmarks/shard.py --cap        # also under a per-rank memory cap (root, cgroup v1)
 
 Two parts, each with fresh processes:
 - step time: a step (zero_grad, forward, loss, backward, SGD) of a GPT sharded block by block, with shoal's
@@ -15,7 +16,10 @@ Two parts, each with fresh processes:
   a process that trains at all: autograd's and the transport's threads and buffers), beside the model's
   state per rank (16 bytes per parameter for DDP with Adam, 16 / N for fully_shard). glibc's mmap
   threshold is fixed (MALLOC_MMAP_THRESHOLD_), so that a freed buffer leaves the resident set and the peak
-  is what was live at once, not the heap's high-water mark.
+  is what was live at once, not the heap's high-water mark;
+- with --cap: DDP and fully_shard again, each rank in a memory cgroup of its own, which caps what the rank
+  allocates from its start (what it held before stays charged where it was) halfway between the two's peak
+  growth: whether each trains or is killed over the cap.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
 from benchmarks._steps import interleaved, training_step
-from tests.ranks import run_ranks
+from tests.ranks import RankFailed, run_ranks
 
 MODELS = {"step": dict(vocab=2048, dim=256, blocks=4, heads=8), "memory": dict(vocab=8192, dim=512, blocks=8, heads=8)}
 QUICK_MODELS = {"step": MODELS["step"], "memory": dict(vocab=4096, dim=256, blocks=4, heads=8)}
@@ -88,7 +92,8 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _memory_worker(rank: int, world: int, shape: dict, way: str, steps: int) -> dict[str, float]:
+def _memory_worker(rank: int, world: int, shape: dict, way: str, steps: int, cap: Path | None = None
+                   ) -> dict[str, float]:
     import gc
     import resource
 
@@ -97,6 +102,9 @@ def _memory_worker(rank: int, world: int, shape: dict, way: str, steps: int) -> 
 
     from shoal.optim import ZeroRedundancyOptimizer
     from shoal.parallel import DistributedDataParallel, fully_shard
+
+    if cap is not None:  # this rank's own memory cgroup: what it allocates from here on counts against the cap
+        (cap / f"rank{rank}" / "cgroup.procs").write_text(str(os.getpid()))
 
     gc.collect()
     before = _resident_bytes()
@@ -136,31 +144,26 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f} MiB"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per program")
-    parser.add_argument("--memory-steps", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="2 ranks, a smaller model for memory, 4 steps")
-    args = parser.parse_args(argv)
-    models = QUICK_MODELS if args.quick else MODELS
-    if args.quick:
-        args.world_size, args.steps = 2, 4
-    n = args.world_size
-    times = run_ranks(_step_worker, n, models["step"], args.steps, timeout=None)[0]
+def _step_table(n: int, shape: dict, steps: int) -> list[str]:
+    times = run_ranks(_step_worker, n, shape, steps, timeout=None)[0]
     gloo = times["torch fully_shard on gloo"]
-    lines = [f"step time, GPT {models['step']}, {n} ranks (slowest rank's median of {args.steps}):", "",
+    lines = [f"step time, GPT {shape}, {n} ranks (slowest rank's median of {steps}):", "",
              "| program | step | / torch on gloo |", "|---|---|---|"]
-    lines += [f"| {label} | {seconds * 1e3:,.1f} ms | {seconds / gloo:.2f}x |" for label, seconds in times.items()]
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # the spawned ranks inherit it
-    lines += ["", f"memory, GPT {models['memory']}, Adam, {n} ranks (the largest rank's peak resident growth, less "
-              f"a toy model's):", "",
-              "| training | toy's growth | peak growth less toy's | model state per rank | activations | "
-              "/ (state + activations + the largest module gathered) |", "|---|---|---|---|---|---|"]
+    return lines + [f"| {label} | {seconds * 1e3:,.1f} ms | {seconds / gloo:.2f}x |"
+                    for label, seconds in times.items()]
+
+
+def _memory_table(n: int, shape: dict, steps: int) -> tuple[list[str], dict[str, float]]:
+    """The table, and each way's largest peak growth (toy's included)."""
+    lines = ["", f"memory, GPT {shape}, Adam, {n} ranks (the largest rank's peak resident growth, less a toy "
+             f"model's):", "", "| training | toy's growth | peak growth less toy's | model state per rank | "
+             "activations | / (state + activations + the largest module gathered) |", "|---|---|---|---|---|---|"]
+    growths = {}
     for way in WAYS:
-        toy = max(r["growth"] for r in run_ranks(_memory_worker, n, TOY, way, args.memory_steps, timeout=None).values())
-        out = run_ranks(_memory_worker, n, models["memory"], way, args.memory_steps, timeout=None)
+        toy = max(r["growth"] for r in run_ranks(_memory_worker, n, TOY, way, steps, timeout=None).values())
+        out = run_ranks(_memory_worker, n, shape, way, steps, timeout=None)
         growth = max(result["growth"] for result in out.values()) - toy
+        growths[way] = max(result["growth"] for result in out.values())
         params, largest, activations = out[0]["params"], out[0]["largest"], out[0]["activations"]
         # DDP and ZeRO-1 hold whole parameters and gradients (4 + 4 bytes each); Adam's state is 8 bytes, all
         # of it under DDP, 1/N under ZeRO-1. fully_shard holds 1/N of all 16, and one module's whole
@@ -169,6 +172,56 @@ def main(argv: list[str] | None = None) -> None:
         gathered = 4 * largest if way == "fully_shard" else 0
         lines.append(f"| {way} | {_mib(toy)} | {_mib(growth)} | {_mib(state)} | {_mib(activations)} | "
                      f"{growth / (state + activations + gathered):.2f}x |")
+    return lines, growths
+
+
+def _capped_table(n: int, shape: dict, steps: int, cap: int) -> list[str]:
+    """DDP and fully_shard again, each rank in a memory cgroup of its own that caps what it allocates after it
+    starts (the model, its training) at `cap` bytes: the kernel kills a rank that needs more."""
+    root = Path("/sys/fs/cgroup/memory")
+    lines = ["", f"under a cap of {_mib(cap)} per rank on what it allocates once started (a memory cgroup each):",
+             "", "| training | outcome |",
+             "|---|---|"]
+    for way in ("DDP", "fully_shard"):
+        cgroups = root / f"shoal-bench-shard-{os.getpid()}"
+        for rank in range(n):
+            (cgroups / f"rank{rank}").mkdir(parents=True)
+            (cgroups / f"rank{rank}" / "memory.limit_in_bytes").write_text(str(cap))
+        try:
+            run_ranks(_memory_worker, n, shape, way, steps, cgroups, timeout=None)
+            outcome = f"trained {steps} steps"
+        except RankFailed as exc:
+            killed = sum(int((cgroups / f"rank{r}" / "memory.failcnt").read_text()) > 0 for r in range(n))
+            outcome = f"killed over the cap ({killed} of {n} ranks hit it): {str(exc).splitlines()[0]}"
+        finally:
+            for rank in range(n):
+                (cgroups / f"rank{rank}").rmdir()
+            cgroups.rmdir()
+        lines.append(f"| {way} | {outcome} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per program")
+    parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument("--cap", action="store_true", help="also train DDP and fully_shard with each rank's memory "
+                        "growth capped halfway between their peaks (needs root and cgroup v1's memory controller)")
+    parser.add_argument("--quick", action="store_true", help="2 ranks, a smaller model for memory, 4 steps")
+    args = parser.parse_args(argv)
+    models = QUICK_MODELS if args.quick else MODELS
+    if args.quick:
+        args.world_size, args.steps = 2, 4
+    if args.cap and not os.access("/sys/fs/cgroup/memory", os.W_OK):
+        raise SystemExit("--cap needs root and cgroup v1's memory controller at /sys/fs/cgroup/memory")
+    lines = _step_table(args.world_size, models["step"], args.steps)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # the spawned ranks inherit it
+    table, growths = _memory_table(args.world_size, models["memory"], args.memory_steps)
+    lines += table
+    if args.cap:
+        cap = (growths["DDP"] + growths["fully_shard"]) // 2
+        lines += _capped_table(args.world_size, models["memory"], args.memory_steps, cap)
     print("\n".join(lines))
 
 

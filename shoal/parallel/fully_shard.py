@@ -160,6 +160,9 @@ class _Sharding:
         if self.tree.root is self:
             self.tree.last_order, self.tree.running = self.tree.order, False
             self.tree.forward_ops = list(self.tree.step_ops)
+            if not training:  # no backward will drop a prefetch for a module that did not run
+                for member in self.tree.members:
+                    member.group.drop_gather()
         if training:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
