@@ -1,10 +1,11 @@
 """fully_shard (ZeRO stage 3) trains a small GPT, block by block, to the parameters the unsharded model reaches on
 one process with the whole batch, at world sizes 2, 3 and 4 (rows that do not divide evenly, ranks with no rows of
 a small parameter), with reshard_after_forward off, with gradients accumulated over two backwards, with frozen and
-unused parameters; each rank holds its 1/N of the parameters, gradients and Adam state, and the whole parameters of
-at most the root and two blocks at once; the whole state dict it gives loads onto another number of ranks and
-trains on as the unsharded model does; under Join, ranks with fewer batches take their part in the others' steps
-and every rank ends with the model the unsharded one reaches. Errors name what to do."""
+unused parameters, and after a backward that raised halfway; each rank holds its 1/N of the parameters, gradients
+and Adam state, and the whole parameters of at most the root and two blocks at once; the whole state dict it gives
+loads onto another number of ranks and trains on as the unsharded model does; under Join, ranks with fewer batches
+take their part in the others' steps and every rank ends with the model the unsharded one reaches; a sharded
+checkpoint of 4 ranks resumes on 3 with its optimizer state. Errors name what to do."""
 
 from __future__ import annotations
 
@@ -125,12 +126,34 @@ def _branches() -> nn.Sequential:
 
 
 def _train_branches(model: nn.Module, rank: int, world: int) -> None:
+    """Three steps, the second after a backward that raises halfway (its gradients dropped)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
-        x = torch.randn(8, 5, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
-        nn.functional.mse_loss(model(x.chunk(world)[rank]), torch.ones(8 // world, 2, dtype=torch.float64)).backward()
+        if step == 1:
+            _failed_backward(model, rank, world)
+            optimizer.zero_grad()
+        target = torch.ones(8 // world, 2, dtype=torch.float64)
+        nn.functional.mse_loss(model(_rows(step, rank, world)), target).backward()
         optimizer.step()
         optimizer.zero_grad()
+
+
+def _rows(step: int, rank: int, world: int) -> torch.Tensor:
+    return torch.randn(8, 5, generator=torch.Generator().manual_seed(step), dtype=torch.float64).chunk(world)[rank]
+
+
+def _failed_backward(model: nn.Module, rank: int, world: int) -> None:
+    def fail(grad: torch.Tensor) -> None:
+        raise RuntimeError("a backward that fails halfway")
+
+    def fail_in_backward(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.register_hook(fail)
+    hook = model[1].register_forward_hook(fail_in_backward)
+    try:
+        model(_rows(9, rank, world)).sum().backward()
+    except RuntimeError as exc:
+        assert "fails halfway" in str(exc), exc
+    hook.remove()
 
 
 def _edges(rank: int, world: int) -> dict:
@@ -164,7 +187,7 @@ def _tied() -> nn.Sequential:
     return nn.Sequential(first, second)
 
 
-def test_frozen_and_unused_parameters_train_as_unsharded_and_mistakes_are_named() -> None:
+def test_frozen_and_unused_parameters_and_a_failed_backward_train_as_unsharded_and_mistakes_are_named() -> None:
     out = run_ranks(_edges, 2)
     reference = _branches()
     _train_branches(reference, 0, 1)

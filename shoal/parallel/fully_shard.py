@@ -105,6 +105,17 @@ class _Tree:
         self.in_backward = False
         self.training_ops = list(self.step_ops)
 
+    def abandon_backward(self) -> None:
+        """Forget a backward that raised: its reductions, once done, add nothing (its gradients would be
+        partial), and the next backward starts afresh."""
+        for member in self.members:
+            member.group.drop_reduce()
+            member.group.drop_gather()
+            member.group.reshard()
+            member.group.end_backward()
+            member.backward_started = False
+        self.in_backward = False
+
 
 def _after(order: list[_Sharding], sharding: _Sharding) -> _Sharding | None:
     for i, member in enumerate(order[:-1]):
@@ -143,6 +154,8 @@ class _Sharding:
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         tree = self.tree or self._root_of_tree()
         if tree.root is self:
+            if tree.in_backward:  # the last backward raised before its end, which never came
+                tree.abandon_backward()
             tree.order, tree.running, tree.step_ops = [], True, []
             announce_step(module)
         if tree.running:  # not when a block is called on its own

@@ -193,6 +193,12 @@ class ShardGroup:
         self._reducing = None
         self._add_grads(mine, with_grad)
 
+    def drop_reduce(self) -> None:
+        """Wait for a reduce-scatter of an abandoned backward and drop its result."""
+        if self._reducing is not None:
+            self._reducing[0].wait()
+            self._reducing = None
+
     def _add_grads(self, mine: torch.Tensor, with_grad: list[ShardedParam]) -> None:
         for slot in with_grad:
             grad = mine[slot.flat(self.rank)].view(slot.shard.shape)
