@@ -1,11 +1,12 @@
 """fully_shard (ZeRO stage 3) trains a small GPT, block by block, to the parameters the unsharded model reaches on
 one process with the whole batch, at world sizes 2, 3 and 4 (rows that do not divide evenly, ranks with no rows of
-a small parameter), with reshard_after_forward off, with gradients accumulated over two backwards, with frozen and
-unused parameters, and after a backward that raised halfway; each rank holds its 1/N of the parameters, gradients
-and Adam state, and the whole parameters of at most the root and two blocks at once; the whole state dict it gives
-loads onto another number of ranks and trains on as the unsharded model does; under Join, ranks with fewer batches
-take their part in the others' steps and every rank ends with the model the unsharded one reaches; a sharded
-checkpoint of 4 ranks resumes on 3 with its optimizer state. Errors name what to do."""
+a small parameter), with reshard_after_forward off, with gradients accumulated over two backwards and activation
+checkpointing, with frozen and unused parameters, and after a backward that raised halfway; each rank holds its 1/N
+of the parameters, gradients and Adam state, and the whole parameters of at most the root and two blocks at once;
+the whole state dict it gives loads onto another number of ranks and trains on as the unsharded model does; under
+Join, ranks with fewer batches take their part in the others' steps and every rank ends with the model the
+unsharded one reaches; a sharded checkpoint of 4 ranks resumes on 3 with its optimizer state. Errors name what to
+do."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch import nn
 from tests.ranks import run_ranks
 from tests.small_gpt import SmallGPT
 
-VOCAB, DIM, BLOCKS, HEADS, BATCH, LENGTH, STEPS = 30, 10, 3, 2, 12, 8, 3
+VOCAB, DIM, BLOCKS, HEADS, BATCH, LENGTH, STEPS = 30, 5, 3, 1, 12, 8, 3  # 5 rows at 4 ranks: 2, 2, 1, 0
 
 
 def _gpt() -> SmallGPT:
@@ -69,8 +70,23 @@ def _gathered(model: nn.Module) -> list[str]:
             if isinstance(module, FSDPModule) and holds(module._shoal_shards.group)]
 
 
-def _sharded_training(rank: int, world: int, reshard_after_forward: bool, accumulate: int) -> dict:
+def _checkpoint_blocks(model: SmallGPT) -> None:
+    """Activation checkpointing: each block's forward runs again in backward, inside the engine."""
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        x = model.embed(tokens)
+        for block in model.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return model.head(x).flatten(0, 1)
+    model.forward = forward
+
+
+def _sharded_training(rank: int, world: int, reshard_after_forward: bool, accumulate: int,
+                      checkpointed: bool) -> dict:
     model = _sharded_gpt(reshard_after_forward)
+    if checkpointed:
+        _checkpoint_blocks(model)
     held = sum(p.numel() for p in model.parameters())
     at_once: list[list[str]] = []
     for block in model.blocks:
@@ -85,10 +101,11 @@ def _sharded_training(rank: int, world: int, reshard_after_forward: bool, accumu
             "grad_numel": sum(p.grad.numel() for p in model.parameters())}
 
 
-@pytest.mark.parametrize(("world", "reshard_after_forward", "accumulate"), [(2, True, 2), (3, False, 1), (4, True, 1)])
-def test_sharded_training_equals_the_unsharded_model(world: int, reshard_after_forward: bool,
+@pytest.mark.parametrize(("world", "reshard_after_forward", "accumulate", "checkpointed"),
+                         [(2, True, 2, True), (3, False, 1, False), (4, True, 1, False)])
+def test_sharded_training_equals_the_unsharded_model(world: int, reshard_after_forward: bool, checkpointed: bool,
                                                      accumulate: int) -> None:
-    out = run_ranks(_sharded_training, world, reshard_after_forward, accumulate)
+    out = run_ranks(_sharded_training, world, reshard_after_forward, accumulate, checkpointed)
     reference = _reference()
     for rank in range(world):
         for key, value in reference.items():
@@ -171,14 +188,34 @@ def _edges(rank: int, world: int) -> dict:
         "scalar": lambda: fully_shard(nn.ParameterList([nn.Parameter(torch.tensor(1.0))])),
         "dtypes": lambda: fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())),
         "shared": lambda: fully_shard(_tied()),
+        "shared across calls": lambda: _shard_each(_tied()),
         "join without optimizer": lambda: Join([model]),
         "join on a block": lambda: Join([model[0]], optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
+        "join on a block before any forward": lambda: _join_on_a_block(rank, world),
     }.items():
         try:
             call()
         except (TypeError, ValueError) as exc:
             errors[label] = f"{type(exc).__name__}: {exc}"
     return {"state": model.state_dict(), "errors": errors}
+
+
+def _shard_each(model: nn.Sequential) -> None:
+    from shoal.parallel import fully_shard
+
+    for layer in model:
+        fully_shard(layer)
+
+
+def _join_on_a_block(rank: int, world: int) -> None:
+    from shoal.parallel import Join, fully_shard
+
+    model = _branches()
+    for block in model[:2]:
+        fully_shard(block)
+    fully_shard(model)
+    with Join([model[0]], optimizer=torch.optim.SGD(model.parameters(), lr=0.1)):
+        model(_rows(0, rank, world))
 
 
 def _tied() -> nn.Sequential:
@@ -199,8 +236,11 @@ def test_frozen_and_unused_parameters_and_a_failed_backward_train_as_unsharded_a
     assert "0-dimensional parameter '0'" in errors["scalar"], errors
     assert "one dtype" in errors["dtypes"] and "torch.float64" in errors["dtypes"], errors
     assert "'1.weight' is the same parameter as '0.weight'" in errors["shared"], errors
+    assert "'weight' is the same parameter as 'a parameter another fully_shard call sharded'" in errors[
+        "shared across calls"], errors
     assert "Join([model], optimizer=opt)" in errors["join without optimizer"], errors
     assert "takes the root fully_shard module" in errors["join on a block"], errors
+    assert "takes the root fully_shard module" in errors["join on a block before any forward"], errors
 
 
 def _resume(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:

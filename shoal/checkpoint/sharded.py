@@ -10,7 +10,8 @@ one (Adam's moments, momentum), with where those rows lie in the whole, and the 
 parameters, buffers, the optimizer's step counts and group settings). Optimizer state is kept by parameter
 name, not position. Files are written as CheckpointManager writes them (atomic, verified, the newest `keep`
 kept, one manifest per rank); a step counts only if every rank that saved it has a file that verifies, so a
-job stopped mid-save loads the step before. Loading maps the files, so a rank reads the rows it needs.
+job stopped mid-save loads the step before. Each loading rank verifies every file of the step (reading it
+whole for its SHA-256), then maps them and copies out its rows.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from shoal.checkpoint.manager import Checkpoint, CheckpointManager
+from shoal.comm.algorithms.reduce_op import ReduceOp
 from shoal.comm.api.world import default_group
 from shoal.comm.backends.group import ProcessGroup
 from shoal.parallel.fully_shard import FSDPModule
@@ -71,18 +73,27 @@ class ShardedCheckpoint:
 
     def load_latest(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Checkpoint | None:
         """Restore the newest step every saving rank's file holds and verifies, resharded onto this job's
-        ranks (every rank calls it; no collective). Returns None, or the step and `extra` in `.state`."""
-        for step in self._steps():
-            parts = self._parts(step)
-            if parts is None:
-                continue
-            _restore(parts, model, optimizer, self.group.rank)
-            return Checkpoint(step, {"extra": parts[0]["extra"]}, self.directory)
-        return None
+        ranks (every rank calls it together: they agree on the step, even where one of them cannot read a
+        file another can). Returns None, or the step and `extra` in `.state`."""
+        steps = sorted(self._manager.per_rank_steps(), reverse=True)
+        below = None  # the agreed step must be older than this
+        while True:
+            mine = next(((step, parts) for step in steps if below is None or step < below
+                         for parts in [self._parts(step)] if parts is not None), (-1, None))
+            agreed = self._least(mine[0])
+            if agreed < 0:
+                return None
+            parts = mine[1] if mine[0] == agreed else self._parts(agreed)
+            if self._least(0 if parts is None else 1) == 1:
+                _restore(parts, model, optimizer, self.group.rank)
+                return Checkpoint(agreed, {"extra": parts[0]["extra"]}, self.directory)
+            below = agreed
 
-    def _steps(self) -> list[int]:
-        """Every step some rank's manifest names, newest first."""
-        return sorted(self._manager.per_rank_steps(), reverse=True)
+    def _least(self, value: int) -> int:
+        """The least of every rank's `value`."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.group.device)
+        self.group.all_reduce(tensor, ReduceOp.MIN).wait()
+        return int(tensor.item())
 
     def _parts(self, step: int) -> list[dict] | None:
         """Every saving rank's file of `step`, mapped, or None if one is missing or does not verify."""
@@ -168,6 +179,11 @@ def _restore(parts: list[dict], model: nn.Module, optimizer: torch.optim.Optimiz
         optimizer.load_state_dict(_optimizer_state(parts, model, optimizer, spans))
 
 
+def _own(value: Any) -> Any:
+    """A tensor of its own, not a view of the mapped file (which a later save may delete)."""
+    return value.clone() if torch.is_tensor(value) else value
+
+
 def _shaped_like(value: Any, param: torch.Tensor | None) -> bool:
     return param is not None and param.dim() > 0 and torch.is_tensor(value) and value.shape == param.shape
 
@@ -189,7 +205,7 @@ def _optimizer_state(parts: list[dict], model: nn.Module, optimizer: torch.optim
             entry, span = saved[name], spans[name]
             settings = entry["group"]
             saved_whole = parts[0]["whole"].get(name)
-            state[index] = {key: value[span] if _shaped_like(value, saved_whole) else value
+            state[index] = {key: _own(value[span] if _shaped_like(value, saved_whole) else value)
                             for key, value in entry["whole"].items()}  # a parameter saved whole: its rows here
             for key in entry["rows"]:
                 state[index][key] = _rows(parts, span.start, span.stop,

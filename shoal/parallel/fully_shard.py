@@ -83,6 +83,9 @@ class _Tree:
         return _after(self.last_order, sharding)
 
     def next_in_backward(self, sharding: _Sharding) -> _Sharding | None:
+        """Backward runs the forward's order in reverse, but starts with the root, whose forward came first."""
+        if sharding is self.root:
+            return self.order[-1] if len(self.order) > 1 else None
         return _after(self.order[::-1], sharding)
 
     def start_backward(self) -> None:
@@ -117,6 +120,11 @@ class _Tree:
         self.in_backward = False
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _after(order: list[_Sharding], sharding: _Sharding) -> _Sharding | None:
     for i, member in enumerate(order[:-1]):
         if member is sharding:
@@ -134,14 +142,12 @@ class _Sharding:
         self.tree: _Tree | None = None
         self.backward_started = False
         group.started = self._started
-        self._hooks = [
-            module.register_forward_pre_hook(self._before_forward, prepend=True),
-            module.register_forward_hook(self._after_forward),
-            # torch marks the hook itself, which a bound method refuses
-            module.register_state_dict_post_hook(functools.partial(_Sharding._full_state_dict, self)),
-            module.register_load_state_dict_pre_hook(self._load_rows),
-            *group.grad_hooks(self._gradients_ready),
-        ]
+        group.gradients_ready = self._gradients_ready
+        module.register_forward_pre_hook(self._before_forward, prepend=True)
+        module.register_forward_hook(self._after_forward)
+        # torch marks the hook itself, which a bound method refuses
+        module.register_state_dict_post_hook(functools.partial(_Sharding._full_state_dict, self))
+        module.register_load_state_dict_pre_hook(self._load_rows)
 
     def _root_of_tree(self) -> _Tree:
         """The first module whose forward runs is the root: its tree is every fully_shard module inside it."""
@@ -153,6 +159,12 @@ class _Sharding:
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         tree = self.tree or self._root_of_tree()
+        if _in_backward():  # activation checkpointing runs the forward again: the parameters, nothing more
+            self.group.finish_gather()
+            return
+        if module._join_config.enable and tree.root is not self:
+            raise ValueError(f"Join takes the root fully_shard module (the model), not the {type(module).__name__} "
+                             f"inside it")
         if tree.root is self:
             if tree.in_backward:  # the last backward raised before its end, which never came
                 tree.abandon_backward()
@@ -167,6 +179,8 @@ class _Sharding:
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         assert self.tree is not None
+        if _in_backward():  # recomputed for backward, which frees them once their gradients are reduced
+            return output
         training = torch.is_grad_enabled()
         if not training or (self.reshard_after_forward and self.tree.root is not self):
             self.group.reshard()
@@ -232,10 +246,11 @@ def _parameters(module: nn.Module, ignored: set[int]) -> list[tuple[str, nn.Modu
         for name, param in owner._parameters.items():
             if param is None or id(param) in ignored:
                 continue
-            if id(param) in seen:
-                raise ValueError(f"fully_shard: {prefix + name!r} is the same parameter as {seen[id(param)]!r}; "
-                                 f"a shared parameter cannot be sharded twice: pass it in ignored_params, or "
-                                 f"call fully_shard on a module that holds both uses")
+            if id(param) in seen or getattr(param, "_shoal_sharded", False):
+                first = seen.get(id(param), "a parameter another fully_shard call sharded")
+                raise ValueError(f"fully_shard: {prefix + name!r} is the same parameter as {first!r}: shared (tied) "
+                                 f"parameters are not sharded; pass it in ignored_params (it then stays whole on "
+                                 f"every rank, and averaging its gradient is yours to do)")
             seen[id(param)] = prefix + name
             found.append((prefix + name, owner, name, param))
         for child_name, child in owner._modules.items():
@@ -261,7 +276,10 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, group: ProcessGroup | No
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already called on this {type(module).__name__}")
     ignored = {id(param) for param in ignored_params or ()}
-    sharded = ShardGroup(_parameters(module, ignored), group if group is not None else default_group())
+    parameters = _parameters(module, ignored)
+    sharded = ShardGroup(parameters, group if group is not None else default_group())
+    for *_, param in parameters:
+        param._shoal_sharded = True  # replaced by shards here: another module that holds it shares it
     cls = type(module)
     if cls not in _classes:
         _classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})

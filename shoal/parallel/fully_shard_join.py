@@ -17,7 +17,7 @@ step, it steps its optimizer, as the live ranks step theirs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,13 +62,13 @@ class FullyShardJoinHook(JoinHook):
                                "rank at least one batch")
         if trains.item() > 0:
             self.optimizer.zero_grad()
-            _shadow(ops)
+        _shadow(ops)
+        if trains.item() > 0:
             self.optimizer.step()
-        else:
-            _shadow(ops)
 
 
-def _shadow(ops: list) -> None:
+def _shadow(ops: list[tuple[Any, tuple]]) -> None:
+    """Make again, in order, the collectives a step of this rank's made (by member: a `_Sharding`)."""
     for member, op in ops:
         if op[0] == "gather":
             member.group.shadow_gather()

@@ -80,11 +80,12 @@ class ShardGroup:
                                  f"along dim 0; give it shape [1]")
             rows = math.ceil(param.shape[0] / self.world)
             row_numel = math.prod(param.shape[1:])
-            full = nn.Parameter(torch.empty_like(param), requires_grad=param.requires_grad)
+            full = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=param.device),
+                                requires_grad=param.requires_grad)
             _free(full)
-            slot = ShardedParam(module, name, path, param, full, rows, row_numel, offset)
-            slot.shard = nn.Parameter(param.detach()[slot.block(self.rank)].clone(),
-                                      requires_grad=param.requires_grad)
+            start = min(self.rank * rows, param.shape[0])
+            shard = nn.Parameter(param.detach()[start:start + rows].clone(), requires_grad=param.requires_grad)
+            slot = ShardedParam(module, name, path, shard, full, rows, row_numel, offset)
             slot.register(slot.shard)
             self.params.append(slot)
             offset += rows * row_numel
@@ -98,6 +99,9 @@ class ShardGroup:
         # Told of each collective this group starts: ("gather",) or ("reduce", the parameters with gradients).
         # A rank that has run out of inputs under Join makes the same ones again (fully_shard_join.py).
         self.started: Callable[[tuple], None] = lambda op: None
+        # Called once every whole parameter that trains has its gradient of this backward.
+        self.gradients_ready: Callable[[], None] = lambda: None
+        self._hooked: set[int] = set()  # the whole parameters whose gradient accumulation is watched
 
     # --- gathering -----------------------------------------------------------------------------------------
 
@@ -124,8 +128,23 @@ class ShardGroup:
             _allocate(slot.full)
         self._copy_out(everyone, [slot.full.data for slot in self.params])
         for slot in self.params:
+            self._train_as_shard(slot)
             slot.register(slot.full)
         self.gathered = True
+
+    def _train_as_shard(self, slot: ShardedParam) -> None:
+        """The whole parameter trains if its shard does (`requires_grad_` may have changed since fully_shard)."""
+        slot.full.requires_grad_(slot.shard.requires_grad)
+        if slot.full.requires_grad and id(slot.full) not in self._hooked:
+            slot.full.register_post_accumulate_grad_hook(self._gradient_arrived)
+            self._hooked.add(id(slot.full))
+
+    def _gradient_arrived(self, param: torch.Tensor) -> None:
+        if self._awaiting is None:
+            self._awaiting = {id(slot.full) for slot in self.params if slot.full.requires_grad}
+        self._awaiting.discard(id(param))
+        if not self._awaiting:
+            self.gradients_ready()
 
     def drop_gather(self) -> None:
         """Wait for a gather started but not used (a prefetch for a module that did not run) and drop it."""
@@ -221,18 +240,6 @@ class ShardGroup:
         everyone = torch.zeros(self.world * self.part_numel, dtype=self.dtype, device=self.device)
         self.group.reduce_scatter_tensor(mine, everyone, ReduceOp.AVG, async_op=False)
         self._add_grads(mine, with_grad)
-
-    def grad_hooks(self, ready: Callable[[], None]) -> list[torch.utils.hooks.RemovableHandle]:
-        """Call `ready()` once every whole parameter that trains has its gradient of this backward."""
-        training = [slot.full for slot in self.params if slot.full.requires_grad]
-
-        def hook(param: torch.Tensor) -> None:
-            if self._awaiting is None:
-                self._awaiting = set(map(id, training))
-            self._awaiting.discard(id(param))
-            if not self._awaiting:
-                ready()
-        return [param.register_post_accumulate_grad_hook(hook) for param in training]
 
     def end_backward(self) -> None:
         """Forget which gradients arrived: a parameter this backward did not reach may be reached by the next."""
