@@ -99,20 +99,20 @@ class _Tree:
         order. A gather started for a module that did not run is dropped: the step will change the shards."""
         for member in self.members:
             member.group.start_reduce()
-        for member in self.members:
-            member.group.finish_reduce()
-            member.group.drop_gather()
-            member.group.reshard()
-            member.group.end_backward()
-            member.backward_started = False
-        self.in_backward = False
+        self._end_backward(keep_gradients=True)
         self.training_ops = list(self.step_ops)
 
     def abandon_backward(self) -> None:
         """Forget a backward that raised: its reductions, once done, add nothing (its gradients would be
         partial), and the next backward starts afresh."""
+        self._end_backward(keep_gradients=False)
+
+    def _end_backward(self, keep_gradients: bool) -> None:
         for member in self.members:
-            member.group.drop_reduce()
+            if keep_gradients:
+                member.group.finish_reduce()
+            else:
+                member.group.drop_reduce()
             member.group.drop_gather()
             member.group.reshard()
             member.group.end_backward()
