@@ -78,12 +78,18 @@ class ShardedCheckpoint:
         steps = sorted(self._manager.per_rank_steps(), reverse=True)
         below = None  # the agreed step must be older than this
         while True:
-            mine = next(((step, parts) for step in steps if below is None or step < below
-                         for parts in [self._parts(step)] if parts is not None), (-1, None))
-            agreed = self._least(mine[0])
+            mine, parts = -1, None  # this rank's newest step below `below` whose files all verify here
+            for step in steps:
+                if below is None or step < below:
+                    parts = self._parts(step)
+                    if parts is not None:
+                        mine = step
+                        break
+            agreed = self._least(mine)
             if agreed < 0:
                 return None
-            parts = mine[1] if mine[0] == agreed else self._parts(agreed)
+            if agreed != mine:
+                parts = self._parts(agreed)
             if self._least(0 if parts is None else 1) == 1:
                 _restore(parts, model, optimizer, self.group.rank)
                 return Checkpoint(agreed, {"extra": parts[0]["extra"]}, self.directory)
