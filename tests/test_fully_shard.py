@@ -189,6 +189,7 @@ def _edges(rank: int, world: int) -> dict:
         "dtypes": lambda: fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())),
         "shared": lambda: fully_shard(_tied()),
         "shared across calls": lambda: _shard_each(_tied()),
+        "ignored in one call only": lambda: _shard_each(_tied(), ignore_first=True),
         "join without optimizer": lambda: Join([model]),
         "join on a block": lambda: Join([model[0]], optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
         "join on a block before any forward": lambda: _join_on_a_block(rank, world),
@@ -200,11 +201,11 @@ def _edges(rank: int, world: int) -> dict:
     return {"state": model.state_dict(), "errors": errors}
 
 
-def _shard_each(model: nn.Sequential) -> None:
+def _shard_each(model: nn.Sequential, ignore_first: bool = False) -> None:
     from shoal.parallel import fully_shard
 
-    for layer in model:
-        fully_shard(layer)
+    for i, layer in enumerate(model):
+        fully_shard(layer, ignored_params=[layer.weight] if ignore_first and i == 0 else None)
 
 
 def _join_on_a_block(rank: int, world: int) -> None:
@@ -238,6 +239,7 @@ def test_frozen_and_unused_parameters_and_a_failed_backward_train_as_unsharded_a
     assert "'1.weight' is the same parameter as '0.weight'" in errors["shared"], errors
     assert "'weight' is the same parameter as 'a parameter another fully_shard call sharded'" in errors[
         "shared across calls"], errors
+    assert "'weight' was left whole by an earlier call" in errors["ignored in one call only"], errors
     assert "Join([model], optimizer=opt)" in errors["join without optimizer"], errors
     assert "takes the root fully_shard module" in errors["join on a block"], errors
     assert "takes the root fully_shard module" in errors["join on a block before any forward"], errors

@@ -17,13 +17,14 @@ whole for its SHA-256), then maps them and copies out its rows.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from shoal.checkpoint.manager import Checkpoint, CheckpointManager
+from shoal.checkpoint.manager import Checkpoint, CheckpointManager, _warn_skipped
 from shoal.comm.algorithms.reduce_op import ReduceOp
 from shoal.comm.api.world import default_group
 from shoal.comm.backends.group import ProcessGroup
@@ -81,7 +82,7 @@ class ShardedCheckpoint:
             mine, parts = -1, None  # this rank's newest step below `below` whose files all verify here
             for step in steps:
                 if below is None or step < below:
-                    parts = self._parts(step)
+                    parts = self._readable(step)
                     if parts is not None:
                         mine = step
                         break
@@ -89,11 +90,20 @@ class ShardedCheckpoint:
             if agreed < 0:
                 return None
             if agreed != mine:
-                parts = self._parts(agreed)
+                parts = self._readable(agreed)
             if self._least(0 if parts is None else 1) == 1:
                 _restore(parts, model, optimizer, self.group.rank)
                 return Checkpoint(agreed, {"extra": parts[0]["extra"]}, self.directory)
             below = agreed
+
+    def _readable(self, step: int) -> list[dict] | None:
+        """`_parts`, or None where a file cannot be read here: every other rank then looks further, so none is
+        left waiting in the agreement for one that raised."""
+        try:
+            return self._parts(step)
+        except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
+            _warn_skipped(self.directory / f"step {step}", f"unreadable here ({type(exc).__name__}: {exc})")
+            return None
 
     def _least(self, value: int) -> int:
         """The least of every rank's `value`."""

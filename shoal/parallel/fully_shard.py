@@ -159,7 +159,7 @@ class _Sharding:
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         tree = self.tree or self._root_of_tree()
-        if _in_backward():  # activation checkpointing runs the forward again: the parameters, nothing more
+        if _in_backward() and tree.in_backward:  # activation checkpointing runs the forward again
             self.group.finish_gather()
             return
         if module._join_config.enable and tree.root is not self:
@@ -179,7 +179,7 @@ class _Sharding:
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         assert self.tree is not None
-        if _in_backward():  # recomputed for backward, which frees them once their gradients are reduced
+        if _in_backward() and self.tree.in_backward:  # recomputed: freed once their gradients are reduced
             return output
         training = torch.is_grad_enabled()
         if not training or (self.reshard_after_forward and self.tree.root is not self):
@@ -244,13 +244,20 @@ def _parameters(module: nn.Module, ignored: set[int]) -> list[tuple[str, nn.Modu
 
     def walk(owner: nn.Module, prefix: str) -> None:
         for name, param in owner._parameters.items():
-            if param is None or id(param) in ignored:
+            if param is None:
                 continue
-            if id(param) in seen or getattr(param, "_shoal_sharded", False):
+            if getattr(param, "_shoal_sharded", False) or (id(param) in seen and id(param) not in ignored):
                 first = seen.get(id(param), "a parameter another fully_shard call sharded")
                 raise ValueError(f"fully_shard: {prefix + name!r} is the same parameter as {first!r}: shared (tied) "
-                                 f"parameters are not sharded; pass it in ignored_params (it then stays whole on "
-                                 f"every rank, and averaging its gradient is yours to do)")
+                                 f"parameters are not sharded; pass it in ignored_params of every fully_shard call "
+                                 f"whose module holds it (it then stays whole on every rank, and averaging its "
+                                 f"gradient is yours to do)")
+            if getattr(param, "_shoal_left_whole", False) and id(param) not in ignored:
+                raise ValueError(f"fully_shard: {prefix + name!r} was left whole by an earlier call (its "
+                                 f"ignored_params): pass it in this call's ignored_params too")
+            if id(param) in ignored:
+                param._shoal_left_whole = True
+                continue
             seen[id(param)] = prefix + name
             found.append((prefix + name, owner, name, param))
         for child_name, child in owner._modules.items():
