@@ -54,16 +54,17 @@ class FullyShardJoinHook(JoinHook):
     def main_hook(self) -> None:
         trains = torch.zeros(1, device=self.module.join_device)
         self.module.join_process_group.all_reduce(trains).wait()
+        training = trains.item() > 0
         tree = self.module._shoal_shards.tree
-        ops = None if tree is None else tree.training_ops if trains.item() > 0 else tree.forward_ops
+        ops = None if tree is None else tree.training_ops if training else tree.forward_ops
         if ops is None:
             raise RuntimeError("a rank that ran no step of its own under fully_shard cannot take part in the "
                                "others' steps under Join: it learns their collectives from its own; give every "
                                "rank at least one batch")
-        if trains.item() > 0:
+        if training:
             self.optimizer.zero_grad()
         _shadow(ops)
-        if trains.item() > 0:
+        if training:
             self.optimizer.step()
 
 

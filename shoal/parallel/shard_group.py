@@ -109,10 +109,7 @@ class ShardGroup:
         """Start gathering the whole parameters (a no-op while they are gathered or being gathered)."""
         if self.gathered or self._gathering is not None or not self.params:
             return
-        part = self._part([slot.shard.detach() for slot in self.params])
-        everyone = torch.empty(self.world * self.part_numel, dtype=self.dtype, device=self.device)
-        work = self.group.all_gather_into_tensor(everyone, part, async_op=True)
-        self._gathering = (work, everyone)
+        self._gathering = self._gather(async_op=True)
         self.started(("gather",))
 
     def finish_gather(self) -> None:
@@ -164,18 +161,18 @@ class ShardGroup:
 
     def full_tensors(self) -> list[torch.Tensor]:
         """The whole parameters as new tensors, gathered now (a collective: every rank of the group calls it)."""
-        everyone = torch.empty(self.world * self.part_numel, dtype=self.dtype, device=self.device)
-        self.group.all_gather_into_tensor(everyone, self._part([slot.shard.detach() for slot in self.params]),
-                                          async_op=False)
+        _, everyone = self._gather(async_op=False)
         fulls = [torch.empty(slot.full.shape, dtype=self.dtype, device=self.device) for slot in self.params]
         self._copy_out(everyone, fulls)
         return fulls
 
-    def _part(self, shards: list[torch.Tensor]) -> torch.Tensor:
+    def _gather(self, async_op: bool) -> tuple[Work, torch.Tensor]:
+        """All-gather every rank's part of the flat buffer (this rank's: its shards, padded)."""
         part = torch.zeros(self.part_numel, dtype=self.dtype, device=self.device)
-        for slot, shard in zip(self.params, shards, strict=True):
-            part[slot.flat(self.rank)].copy_(shard.reshape(-1))
-        return part
+        for slot in self.params:
+            part[slot.flat(self.rank)].copy_(slot.shard.detach().reshape(-1))
+        everyone = torch.empty(self.world * self.part_numel, dtype=self.dtype, device=self.device)
+        return self.group.all_gather_into_tensor(everyone, part, async_op=async_op), everyone
 
     def _copy_out(self, everyone: torch.Tensor, fulls: list[torch.Tensor]) -> None:
         by_rank = everyone.view(self.world, self.part_numel)
@@ -230,9 +227,7 @@ class ShardGroup:
 
     def shadow_gather(self) -> None:
         """Give this rank's rows to a gather the live ranks make; what comes back is not needed here."""
-        everyone = torch.empty(self.world * self.part_numel, dtype=self.dtype, device=self.device)
-        self.group.all_gather_into_tensor(everyone, self._part([slot.shard.detach() for slot in self.params]),
-                                          async_op=False)
+        self._gather(async_op=False)
 
     def shadow_reduce(self, with_grad: list[ShardedParam]) -> None:
         """Give zeros to a reduce-scatter the live ranks make; this rank's shards get their rows' mean."""
