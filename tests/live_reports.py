@@ -1,6 +1,10 @@
-"""Reading what tests/scripts/live_train.py prints: each generation's reports and each rank's final line."""
+"""Reading what live training reports: tests/scripts/live_train.py's lines (each generation's reports and each
+rank's final line), and a ledger of committed steps replayed in one process."""
 
 from __future__ import annotations
+
+import torch
+from torch import nn
 
 
 def states(stdout: str) -> tuple[dict[str, list[tuple[str, str]]], dict[str, str]]:
@@ -22,3 +26,22 @@ def assert_alike(reports: dict[str, list[tuple[str, str]]], finals: dict[str, st
         assert len(entries) == int(entries[0][1].split()[0]), entries  # every member reported
         assert len({state for _, state in entries}) == 1, entries
     assert len({text.split(" generation ")[1] for text in finals.values()}) == 1, finals
+
+
+def replay(ledger: list[tuple[int, int, int]], data: torch.utils.data.TensorDataset, model: nn.Module,
+           optimizer: torch.optim.Optimizer, seed: int) -> list[torch.Tensor]:
+    """The committed steps of a ledger ((start, stop, members) per step, in the epoch's order that `seed`
+    shuffles) in one process: each member's mean-loss gradient on its slice, averaged, then a step."""
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed)).tolist()
+    for start, stop, world in ledger:
+        share, extra = divmod(stop - start, world)
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in range(world):
+            lo = start + rank * share + min(rank, extra)
+            x, y = data[order[lo:lo + share + (rank < extra)]]
+            grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+            total = [t + g for t, g in zip(total, grads, strict=True)]
+        for param, summed in zip(model.parameters(), total, strict=True):
+            param.grad = summed / world
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
