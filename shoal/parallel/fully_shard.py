@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from shoal.comm.api.world import default_group
+from shoal import config
+from shoal.comm.api.world import default_group, is_initialized
 from shoal.comm.backends.group import ProcessGroup
 from shoal.parallel.fully_shard_join import FullyShardJoinHook, announce_step
 from shoal.parallel.join import JoinHook, _JoinConfig
@@ -270,12 +271,21 @@ def _parameters(module: nn.Module, ignored: set[int]) -> list[tuple[str, nn.Modu
 _classes: dict[type, type] = {}
 
 
+def _group_to_shard_over(group: ProcessGroup | None) -> ProcessGroup | None:
+    """The group given, else the default one; under `shoal run --live` with none initialized, None: the
+    model is sharded over each generation's group by LiveTraining (shoal/elastic/shard_keeper.py)."""
+    if group is None and not is_initialized() and config.SHOAL_LIVE.get():
+        return None
+    return group if group is not None else default_group()
+
+
 def fully_shard(module: nn.Module, *, mesh: Any = None, group: ProcessGroup | None = None,
                 reshard_after_forward: bool = True, ignored_params: Iterable[nn.Parameter] | None = None
                 ) -> nn.Module:
     """Shard `module`'s parameters (those not sharded by an earlier call on a submodule) over `group` (the
     default group), in place; returns the module, now also an `FSDPModule`. Call it on the blocks first, then
-    on the whole model, and build the optimizer after: `model.parameters()` are then the shards."""
+    on the whole model, and build the optimizer after: `model.parameters()` are then the shards. Under
+    `shoal run --live` with no group initialized, LiveTraining shards the model over each generation."""
     if mesh is not None:
         raise TypeError("shoal.parallel.fully_shard shards over a shoal process group: pass group=... (or "
                         "nothing, for the default group). A DeviceMesh is for torch's "
@@ -284,7 +294,7 @@ def fully_shard(module: nn.Module, *, mesh: Any = None, group: ProcessGroup | No
         raise ValueError(f"fully_shard was already called on this {type(module).__name__}")
     ignored = {id(param) for param in ignored_params or ()}
     parameters = _parameters(module, ignored)
-    sharded = ShardGroup(parameters, group if group is not None else default_group())
+    sharded = ShardGroup(parameters, _group_to_shard_over(group))
     for *_, param in parameters:
         param._shoal_sharded = True  # replaced by shards here: another module that holds it shares it
     cls = type(module)

@@ -10,6 +10,9 @@ The whole parameter is one `nn.Parameter` per parameter for the life of the modu
 forward and reads it in backward, so it keeps its identity while its storage is freed (resized to 0 bytes)
 between uses and gathered again before backward. It is written through `.data`, whose version counter is
 its own, so refilling it is not an in-place change autograd would refuse.
+
+Under live recovery the group is not known when the model is sharded: the group starts unbound (one rank
+holding every row) and `recut` gives it each generation's group and this rank's rows of the new layout.
 """
 
 from __future__ import annotations
@@ -64,32 +67,29 @@ def _allocate(tensor: torch.Tensor) -> None:
 class ShardGroup:
     """Gathers and frees the whole parameters of one module, and reduce-scatters their gradients."""
 
-    def __init__(self, named: list[tuple[str, nn.Module, str, nn.Parameter]], group: ProcessGroup) -> None:
-        self.group = group
-        self.world, self.rank = group.size, group.rank
+    def __init__(self, named: list[tuple[str, nn.Module, str, nn.Parameter]], group: ProcessGroup | None) -> None:
+        self.group = group  # None: unbound until LiveTraining recuts it over a generation's group
+        self.world, self.rank = (group.size, group.rank) if group is not None else (1, 0)
         dtypes = {param.dtype for *_, param in named}
         if len(dtypes) > 1:
             raise ValueError(f"fully_shard: one call shards parameters of one dtype (it gathers them as one "
                              f"buffer); got {sorted(map(str, dtypes))}: call fully_shard on the submodules whose "
                              f"parameters differ")
         self.params: list[ShardedParam] = []
-        offset = 0
         for path, module, name, param in named:
             if param.dim() == 0:
                 raise ValueError(f"fully_shard cannot shard the 0-dimensional parameter {path!r}: it shards "
                                  f"along dim 0; give it shape [1]")
-            rows = math.ceil(param.shape[0] / self.world)
-            row_numel = math.prod(param.shape[1:])
             full = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=param.device),
                                 requires_grad=param.requires_grad)
             _free(full)
-            start = min(self.rank * rows, param.shape[0])
-            shard = nn.Parameter(param.detach()[start:start + rows].clone(), requires_grad=param.requires_grad)
-            slot = ShardedParam(module, name, path, shard, full, rows, row_numel, offset)
+            shard = nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+            slot = ShardedParam(module, name, path, shard, full, 0, math.prod(param.shape[1:]), 0)
             slot.register(slot.shard)
             self.params.append(slot)
-            offset += rows * row_numel
-        self.part_numel = offset  # one rank's part of the flat buffer
+        self._lay_out()
+        for slot in self.params:
+            slot.shard.data = slot.shard.data[slot.block(self.rank)].clone()
         self.dtype = next(iter(dtypes)) if dtypes else torch.float32
         self.device = named[0][3].device if named else torch.device("cpu")
         self.gathered = False
@@ -102,6 +102,26 @@ class ShardGroup:
         # Called once every whole parameter that trains has its gradient of this backward.
         self.gradients_ready: Callable[[], None] = lambda: None
         self._hooked: set[int] = set()  # the whole parameters whose gradient accumulation is watched
+
+    def _lay_out(self) -> None:
+        """Each parameter's rows per block, and where its block sits in a rank's part of the flat buffer."""
+        offset = 0
+        for slot in self.params:
+            slot.rows = math.ceil(slot.full.shape[0] / self.world)
+            slot.offset = offset
+            offset += slot.rows * slot.row_numel
+        self.part_numel = offset  # one rank's part of the flat buffer
+
+    def recut(self, group: ProcessGroup, shards: list[torch.Tensor]) -> None:
+        """Go on over `group` (a new generation's), holding `shards`: this rank's rows of each parameter in
+        the new layout. What was in flight on the old group is dropped unawaited (that group is broken or
+        done), and the whole parameters are freed; the shards keep their identity (the optimizer's keys)."""
+        self._gathering = self._reducing = self._awaiting = None
+        self.reshard()
+        self.group, self.world, self.rank = group, group.size, group.rank
+        self._lay_out()
+        for slot, rows in zip(self.params, shards, strict=True):
+            slot.shard.data, slot.shard.grad = rows, None
 
     # --- gathering -----------------------------------------------------------------------------------------
 
@@ -166,13 +186,20 @@ class ShardGroup:
         self._copy_out(everyone, fulls)
         return fulls
 
+    def _bound(self) -> ProcessGroup:
+        if self.group is None:
+            raise RuntimeError("fully_shard: this model was sharded with no process group to shard over (none was "
+                               "initialized); it trains under shoal.elastic.LiveTraining, which gives it each "
+                               "generation's group: use LiveTraining's model, or call init_process_group first")
+        return self.group
+
     def _gather(self, async_op: bool) -> tuple[Work, torch.Tensor]:
         """All-gather every rank's part of the flat buffer (this rank's: its shards, padded)."""
         part = torch.zeros(self.part_numel, dtype=self.dtype, device=self.device)
         for slot in self.params:
             part[slot.flat(self.rank)].copy_(slot.shard.detach().reshape(-1))
         everyone = torch.empty(self.world * self.part_numel, dtype=self.dtype, device=self.device)
-        return self.group.all_gather_into_tensor(everyone, part, async_op=async_op), everyone
+        return self._bound().all_gather_into_tensor(everyone, part, async_op=async_op), everyone
 
     def _copy_out(self, everyone: torch.Tensor, fulls: list[torch.Tensor]) -> None:
         by_rank = everyone.view(self.world, self.part_numel)
@@ -196,7 +223,7 @@ class ShardGroup:
                 everyone[rank, slot.flat(rank)].copy_(grad[slot.block(rank)].reshape(-1))
             slot.full.grad = None
         mine = torch.empty(self.part_numel, dtype=self.dtype, device=self.device)
-        work = self.group.reduce_scatter_tensor(mine, everyone.view(-1), ReduceOp.AVG, async_op=True)
+        work = self._bound().reduce_scatter_tensor(mine, everyone.view(-1), ReduceOp.AVG, async_op=True)
         self._reducing = (work, mine, with_grad)
         self.started(("reduce", with_grad))
 
@@ -233,7 +260,7 @@ class ShardGroup:
         """Give zeros to a reduce-scatter the live ranks make; this rank's shards get their rows' mean."""
         mine = torch.empty(self.part_numel, dtype=self.dtype, device=self.device)
         everyone = torch.zeros(self.world * self.part_numel, dtype=self.dtype, device=self.device)
-        self.group.reduce_scatter_tensor(mine, everyone, ReduceOp.AVG, async_op=False)
+        self._bound().reduce_scatter_tensor(mine, everyone, ReduceOp.AVG, async_op=False)
         self._add_grads(mine, with_grad)
 
     def end_backward(self) -> None:
