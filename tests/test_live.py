@@ -22,7 +22,7 @@ from shoal.comm.store import Store
 from shoal.data import ElasticSampler
 from shoal.elastic.live import LiveTraining
 from shoal.ports import free_port
-from tests.live_reports import assert_alike, states
+from tests.live_reports import assert_alike, replay, states
 from tests.processes import reaped
 from tests.ranks import run_ranks
 from tests.waiting import wait_until
@@ -65,22 +65,8 @@ def _train(rank: int, world: int, _: int, store_port: int, victim: int | None, l
 
 
 def _replay(ledger: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-    """The committed steps in one process: each rank's mean-loss gradient on its slice, averaged."""
-    data, model = _data(), _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED)).tolist()
-    for start, stop, world in ledger:
-        share, extra = divmod(stop - start, world)
-        total = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in range(world):
-            lo = start + rank * share + min(rank, extra)
-            x, y = data[order[lo:lo + share + (rank < extra)]]
-            grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
-            total = [t + g for t, g in zip(total, grads, strict=True)]
-        for param, summed in zip(model.parameters(), total, strict=True):
-            param.grad = summed / world
-        optimizer.step()
-    return [p.detach() for p in model.parameters()]
+    model = _model()
+    return replay(ledger, _data(), model, torch.optim.SGD(model.parameters(), lr=0.1), SEED)
 
 
 @pytest.mark.parametrize(("victim", "lost_at"), [(None, 0), (1, 3), (0, 6)],
@@ -123,10 +109,12 @@ def test_under_the_launcher_the_others_go_on_and_the_job_succeeds() -> None:
         assert " generation 1 of 2 steps " in finals["[rank0]"]
 
 
-def test_a_lost_worker_started_again_joins_between_steps_with_the_others_state() -> None:
+@pytest.mark.parametrize("sharded", [False, True], ids=["DDP", "fully_shard"])
+def test_a_lost_worker_started_again_joins_between_steps_with_the_others_state(sharded: bool) -> None:
     """The survivors go on without the lost worker, and admit the new one after a committed step: it
-    receives the state after the script's own code for that step (its scheduler step) has run."""
-    result = _launch_live("--kill", "1:4", "--epochs", "3", "--await-joiner", restarts=1)
+    receives the state after the script's own code for that step (its scheduler step) has run. Under
+    fully_shard the survivors re-cut the model from the lost worker's buddy, and the joiner receives its rows."""
+    result = _launch_live("--kill", "1:4", "--epochs", "3", "--await-joiner", *["--shard"] * sharded, restarts=1)
     assert result.returncode == 0, result.stderr
     assert "starting a new rank 1 to join them (restart 1 of 1)" in result.stderr
     reports, finals = states(result.stdout)

@@ -47,9 +47,10 @@ from shoal.elastic.decisions import DISCARD, GROW, StepDecisions
 from shoal.elastic.handover import share_state
 from shoal.elastic.identity import member_id
 from shoal.elastic.membership import JOIN_WAIT, Generation, JobFinished, Membership
+from shoal.elastic.shard_keeper import ShardKeeper
 from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.observe import events, timeline
-from shoal.parallel import DistributedDataParallel
+from shoal.parallel import DistributedDataParallel, FSDPModule
 
 _LOSSES = (PeerFailure, GroupBrokenError)  # what ends a generation; anything else is the script's error
 _trainings = itertools.count()
@@ -67,15 +68,16 @@ class Step:
 
 
 class LiveTraining:
-    """One worker's part in a job with live recovery; `model` is the DDP replica to train. `extra`: other
-    objects with state_dict/load_state_dict (a learning-rate scheduler) that a joiner takes from the
-    others with the optimizer's state. With fewer than `min_workers` members, the members wait for
-    workers to join before they go on (TimeoutError if none asks to within `timeout`); by default, as
-    many as MIN nodes of `shoal run --nnodes MIN:MAX` start, else 1."""
+    """One worker's part in a job with live recovery; `model` is the DDP replica to train, or, for a model
+    `fully_shard` was called on, the model itself, re-sharded over each generation, each block also held by
+    `redundancy` other workers (shard_keeper.py). `extra`: other objects with state_dict/load_state_dict (a
+    learning-rate scheduler) that a joiner takes from the others with the optimizer's state. With fewer than
+    `min_workers` members, the members wait for workers to join before they go on (TimeoutError if none
+    asks to within `timeout`); by default, as many as MIN nodes of `shoal run --nnodes MIN:MAX` start, else 1."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler, *,
                  extra: Mapping[str, Any] | None = None, min_workers: int | None = None,
-                 timeout: timedelta = timedelta(seconds=60), **ddp_options: Any) -> None:
+                 timeout: timedelta = timedelta(seconds=60), redundancy: int = 1, **ddp_options: Any) -> None:
         if min_workers is None:
             from_launcher = config.SHOAL_MIN_WORKERS.get()
             min_workers = 1 if from_launcher is None else from_launcher
@@ -103,7 +105,13 @@ class LiveTraining:
         self._joiners_to_admit = False  # the last step's decision was GROW: admit them before the next step
         self._looked_for_joiners = time.monotonic()
         self._module, self._ddp_options = module, ddp_options
-        self.model: DistributedDataParallel | None = None
+        self.model: DistributedDataParallel | nn.Module | None = None
+        self._keeper: ShardKeeper | None = None
+        if isinstance(module, FSDPModule):
+            if ddp_options:
+                raise TypeError(f"a fully_shard model is not wrapped in DDP: {sorted(ddp_options)} do not apply")
+            self._keeper = ShardKeeper.of(module, optimizer, redundancy)
+            self.model = module
         self.missed = False
         """The members finished this training before this worker could join it, and began a later one
         (which it joins): this one's loops yield nothing, and `model`, `group` and `generation` are None."""
@@ -179,6 +187,8 @@ class LiveTraining:
         step = Step()
         try:
             yield step
+            if self._keeper is not None:
+                self._keeper.send_gradients(self.group)
         except _LOSSES as exc:
             loss: BaseException | None = exc
         except BaseException:
@@ -192,12 +202,16 @@ class LiveTraining:
                 self._regroup(loss)
             else:
                 self.optimizer.step()
+                if self._keeper is not None:
+                    self._keeper.commit()
                 self.sampler.commit()
                 self.steps += 1
                 step.committed = True
                 self._joiners_to_admit = decision == GROW
         finally:
             self.optimizer.zero_grad()
+            if self._keeper is not None:
+                self._keeper.discard()
 
     def _step_key(self) -> str:
         return f"{self.generation.number}/{self.steps}"
@@ -260,17 +274,26 @@ class LiveTraining:
                            f"min_workers={self.min_workers}, and none joined within {self._timeout.total_seconds():g}s")
 
     def _enter(self) -> None:
-        """Take part in this generation's group: DDP over it, and rank 0's parameters, buffers and state."""
-        if self.model is None:
-            self.model = DistributedDataParallel(self._module, process_group=self.group, **self._ddp_options)
-        else:
-            self.model.adopt(self.group)
+        """Take part in this generation's group: DDP over it, and rank 0's parameters, buffers and state; or,
+        for a fully_shard model, its blocks re-cut over the group, and rank 0's buffers and state."""
         if self.group.rank == 0 and not self._holds_state:
             raise RuntimeError(f"generation {self.generation.number}: every worker that held the training state "
                                f"was lost; only workers still joining are left")
+        if self._keeper is not None:
+            self._keeper.reshard(self.group, self.generation.members, self._holds_state)
+        elif self.model is None:
+            self.model = DistributedDataParallel(self._module, process_group=self.group, **self._ddp_options)
+        else:
+            self.model.adopt(self.group)
         state = share_state(self.group, self._state() if self.group.rank == 0 else None)
         if self.group.rank != 0:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self._keeper is None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            else:  # the shards' optimizer state was re-cut with them
+                for group, settings in zip(self.optimizer.param_groups, state["settings"], strict=True):
+                    group.update(settings)
+                for name, buffer in self._module.named_buffers():
+                    buffer.copy_(state["buffers"][name])
             self.sampler.load_state_dict(state["sampler"])
             for name, obj in self._extra.items():
                 obj.load_state_dict(state["extra"][name])
@@ -279,15 +302,23 @@ class LiveTraining:
         self.sampler.set_membership(self.group.rank, self.group.size)
 
     def _state(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(), "steps": self.steps,
-                "extra": {name: obj.state_dict() for name, obj in self._extra.items()}}
+        state = {"sampler": self.sampler.state_dict(), "steps": self.steps,
+                 "extra": {name: obj.state_dict() for name, obj in self._extra.items()}}
+        if self._keeper is None:
+            state["optimizer"] = self.optimizer.state_dict()
+        else:
+            state["settings"] = [{k: v for k, v in group.items() if k != "params"} for group in
+                                 self.optimizer.param_groups]
+            state["buffers"] = dict(self._module.named_buffers())
+        return state
 
     def close(self) -> None:
         """Training is over: `model` averages gradients no more, and workers still waiting to join go
         on to the next training, or end (JobFinished) when the members exit."""
         if not self.missed:
             self.membership.finish(self.generation)
-            self.model.release()  # a later training may wrap the same module
+            if self._keeper is None:
+                self.model.release()  # a later training may wrap the same module
             self.group.shutdown()
 
 

@@ -20,9 +20,10 @@ import time
 import torch
 from torch import nn
 
+from shoal.comm.objects import all_gather_object
 from shoal.data import ElasticSampler
 from shoal.elastic import LiveTraining
-from shoal.parallel import PowerSGDState, powerSGD_hook
+from shoal.parallel import PowerSGDState, fully_shard, powerSGD_hook
 from tests.waiting import wait_until
 
 parser = argparse.ArgumentParser()
@@ -35,6 +36,7 @@ parser.add_argument("--await-joiner", action="store_true",
 parser.add_argument("--full-size", type=int, default=None,
                     help="with --await-joiner: the workers of a whole generation (WORLD_SIZE by default)")
 parser.add_argument("--powersgd", action="store_true", help="DDP sends the gradients compressed by PowerSGD")
+parser.add_argument("--shard", action="store_true", help="fully_shard the model (its 2 rows: blocks of 1, 1 and 0)")
 args = parser.parse_args()
 kills = {tuple(map(int, k.split(":"))) for k in args.kill}
 launcher_kills = {tuple(map(int, k.split(":"))) for k in args.kill_launcher}
@@ -46,6 +48,8 @@ x = torch.randn(61, 6, generator=generator, dtype=torch.float64)
 data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long(), torch.arange(len(x)))  # each sample's index too
 torch.manual_seed(0)
 model = nn.Linear(6, 2).double()
+if args.shard:
+    fully_shard(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 sampler = ElasticSampler(data, 2, rank=rank, world_size=int(os.environ["WORLD_SIZE"]), seed=1)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)  # stepped once per committed step
@@ -60,6 +64,8 @@ if args.powersgd:
 def digest() -> str:
     momenta = [optimizer.state[p]["momentum_buffer"] for p in model.parameters() if p in optimizer.state]
     tensors = [*model.parameters(), *momenta]
+    if args.shard:  # every member's rows, gathered (a collective: the members report at the same step)
+        tensors = [*model.state_dict().values(), *(t for rows in all_gather_object_list(momenta) for t in rows)]
     schedule = f"{scheduler.last_epoch} {optimizer.param_groups[0]['lr']!r}".encode()
     if args.powersgd:  # what the replicas must hold alike to project alike: the factors and the generator
         state = extra["powersgd"]
@@ -67,6 +73,12 @@ def digest() -> str:
         _, keys, position, *_ = state.rng.get_state()
         schedule += keys.tobytes() + f" {position} {state.iter}".encode()
     return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors) + schedule).hexdigest()[:16]
+
+
+def all_gather_object_list(obj: object) -> list:
+    gathered = [None] * live.group.size
+    all_gather_object(live.group, gathered, obj)
+    return gathered
 
 
 def report() -> int:
