@@ -6,7 +6,8 @@
    synchronous (serialize, write, fsync, rename, manifest), and asynchronous (the snapshot only;
    the write goes on in the background).
 2. Recovery: a DDP job (benchmarks/recovery_job.py) whose rank 1 SIGKILLs itself mid-training, once
-   per trial: with live recovery under `shoal run --live` (3 workers; the other two go on), and
+   per trial: with live recovery under `shoal run --live` (3 workers; the other two go on; also with the
+   model under fully_shard, the survivors re-sharding it from the lost worker's buddy), and
    restarted under `shoal run --max-restarts 1` (shoal DDP) and under torchrun (torch DDP, gloo), 2
    workers each. Reported: the share of trials that finish, and the median time from the worker's
    death to the first step completed after it (after the restart, or taken again live).
@@ -71,9 +72,9 @@ def save_blocking(repeats: int = 3) -> dict[str, float]:
 
 
 def _launchers(impl: str, ckpt: Path, kill_at: int) -> list[str]:
-    if impl == "live":  # three workers, so that two go on together
+    if impl in ("live", "live-shard"):  # three workers, so that two go on together
         return [sys.executable, "-m", "shoal.run", "--live", "--nproc-per-node", "3", str(JOB), "--impl", "live",
-                "--kill-at", str(kill_at)]
+                "--kill-at", str(kill_at), *["--shard"] * (impl == "live-shard")]
     if impl == "rejoin":
         return [sys.executable, "-m", "shoal.run", "--live", "--max-restarts", "1", "--nproc-per-node", "3", str(JOB),
                 "--impl", "live", "--kill-at", str(kill_at), "--min-workers", "3"]
@@ -102,12 +103,12 @@ def trial(impl: str, timeout: float) -> float | None:
     """Seconds from the death to the first step completed after it; None if the job did not finish."""
     # Live recovery takes the lost step again, so its kill can fall on any step; restarts resume from
     # the checkpoint of step 20 and take steps 21 to 25 again: the first measured is 21.
-    kill_at = random.randint(1, 38) if impl == "live" else 25
+    kill_at = random.randint(1, 38) if impl.startswith("live") else 25
     if (out := _run(impl, kill_at, timeout)) is None:
         return None
     # torchrun does not prefix its workers' lines, so two ranks' output may run together on one line.
     death = float(re.search(r"death (\d+\.\d{6})", out).group(1))
-    first = kill_at + 1 if impl == "live" else 21
+    first = kill_at + 1 if impl.startswith("live") else 21
     after = [float(t) for t in re.findall(rf"step {first} (\d+\.\d{{6}})", out) if float(t) > death]
     return min(after) - death if after else None
 
@@ -165,16 +166,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=60, help="seconds after which a trial counts as failed")
-    parser.add_argument("--only", choices=["save", "live", "store-failover", "shoal", "torch", "rejoin"],
+    parser.add_argument("--only", choices=["save", "live", "live-shard", "store-failover", "shoal", "torch", "rejoin"],
                         help="run one part only")
     args = parser.parse_args(argv)
     if args.only in (None, "save"):
         print("| save of a 100 MB model | time |\n|---|---|")
         for name, seconds in save_blocking().items():
             print(f"| {name} | {seconds * 1e3:,.0f} ms |")
-    if args.only in (None, "live", "shoal", "torch"):
+    if args.only in (None, "live", "live-shard", "shoal", "torch"):
         print("\n| launcher | recovered | median death-to-first-step | all recoveries |\n|---|---|---|---|")
-    for impl, label in (("live", "shoal run --live (live recovery, 3 workers)"), ("shoal", "shoal run (shoal DDP)"),
+    for impl, label in (("live", "shoal run --live (live recovery, 3 workers)"),
+                        ("live-shard", "shoal run --live, fully_shard (each block held by a buddy, 3 workers)"),
+                        ("shoal", "shoal run (shoal DDP)"),
                         ("torch", "torchrun (torch DDP, gloo)")):
         if args.only not in (None, impl):
             continue

@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--min-workers", type=int, default=1, help="--impl live: wait for joiners below this")
+    parser.add_argument("--shard", action="store_true", help="--impl live: fully_shard the model")
     parser.add_argument("--kill-at", type=int, default=25)
     parser.add_argument("--kill-launcher", action="store_true",
                         help="--impl live: rank 0 SIGKILLs its launcher instead (its node, and the store primary)")
@@ -97,7 +98,8 @@ def main() -> None:
 
 
 def live(args: argparse.Namespace) -> None:
-    """The same model and batches of 32 per worker, with live recovery: `step N T` after each committed step."""
+    """The same model and batches of 32 per worker, with live recovery (of DDP, or of fully_shard with each
+    block also held by a buddy): `step N T` after each committed step."""
     from shoal.data import ElasticSampler
     from shoal.elastic import LiveTraining
 
@@ -108,6 +110,11 @@ def live(args: argparse.Namespace) -> None:
                                           torch.randint(0, 10, (samples,), generator=gen))
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    if args.shard:
+        from shoal.parallel import fully_shard
+
+        for layer in (net[0], net[2], net):
+            fully_shard(layer)
     sampler = ElasticSampler(data, 32, rank=rank, world_size=world)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
     if not _first_attempt():
