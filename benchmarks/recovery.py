@@ -71,10 +71,10 @@ def save_blocking(repeats: int = 3) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _launchers(impl: str, ckpt: Path, kill_at: int) -> list[str]:
+def _launchers(impl: str, ckpt: Path, kill_at: int, hidden: int) -> list[str]:
     if impl in ("live", "live-shard"):  # three workers, so that two go on together
         return [sys.executable, "-m", "shoal.run", "--live", "--nproc-per-node", "3", str(JOB), "--impl", "live",
-                "--kill-at", str(kill_at), *["--shard"] * (impl == "live-shard")]
+                "--kill-at", str(kill_at), "--hidden", str(hidden), *["--shard"] * (impl == "live-shard")]
     if impl == "rejoin":
         return [sys.executable, "-m", "shoal.run", "--live", "--max-restarts", "1", "--nproc-per-node", "3", str(JOB),
                 "--impl", "live", "--kill-at", str(kill_at), "--min-workers", "3"]
@@ -84,12 +84,12 @@ def _launchers(impl: str, ckpt: Path, kill_at: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1", *job]
 
 
-def _run(impl: str, kill_at: int, timeout: float) -> str | None:
+def _run(impl: str, kill_at: int, timeout: float, hidden: int = 256) -> str | None:
     """The job's output, or None if it did not finish."""
     with tempfile.TemporaryDirectory() as tmp:
         # A session of its own, so that a hung job's workers can be stopped with their launcher.
-        job = subprocess.Popen(_launchers(impl, Path(tmp), kill_at), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+        job = subprocess.Popen(_launchers(impl, Path(tmp), kill_at, hidden), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             out, _ = job.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -99,12 +99,12 @@ def _run(impl: str, kill_at: int, timeout: float) -> str | None:
     return out if job.returncode == 0 else None
 
 
-def trial(impl: str, timeout: float) -> float | None:
+def trial(impl: str, timeout: float, hidden: int) -> float | None:
     """Seconds from the death to the first step completed after it; None if the job did not finish."""
     # Live recovery takes the lost step again, so its kill can fall on any step; restarts resume from
     # the checkpoint of step 20 and take steps 21 to 25 again: the first measured is 21.
     kill_at = random.randint(1, 38) if impl.startswith("live") else 25
-    if (out := _run(impl, kill_at, timeout)) is None:
+    if (out := _run(impl, kill_at, timeout, hidden)) is None:
         return None
     # torchrun does not prefix its workers' lines, so two ranks' output may run together on one line.
     death = float(re.search(r"death (\d+\.\d{6})", out).group(1))
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=60, help="seconds after which a trial counts as failed")
     parser.add_argument("--only", choices=["save", "live", "live-shard", "store-failover", "shoal", "torch", "rejoin"],
                         help="run one part only")
+    parser.add_argument("--hidden", type=int, default=256, help="live recovery: the model's hidden width (64 x it "
+                                                                  "+ it x 10 weights)")
     args = parser.parse_args(argv)
     if args.only in (None, "save"):
         print("| save of a 100 MB model | time |\n|---|---|")
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                         ("torch", "torchrun (torch DDP, gloo)")):
         if args.only not in (None, impl):
             continue
-        results = [trial(impl, args.timeout) for _ in range(args.trials)]
+        results = [trial(impl, args.timeout, args.hidden) for _ in range(args.trials)]
         ok = [r for r in results if r is not None]
         median = f"{statistics.median(ok):.2f} s" if ok else "-"
         print(f"| {label} | {len(ok)} of {len(results)} | {median} | {', '.join(f'{r:.2f}' for r in ok)} |",

@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--min-workers", type=int, default=1, help="--impl live: wait for joiners below this")
     parser.add_argument("--shard", action="store_true", help="--impl live: fully_shard the model")
+    parser.add_argument("--hidden", type=int, default=256, help="--impl live: the hidden layer's width")
     parser.add_argument("--kill-at", type=int, default=25)
     parser.add_argument("--kill-launcher", action="store_true",
                         help="--impl live: rank 0 SIGKILLs its launcher instead (its node, and the store primary)")
@@ -109,7 +110,7 @@ def live(args: argparse.Namespace) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(samples, 64, generator=gen),
                                           torch.randint(0, 10, (samples,), generator=gen))
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    net = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
     if args.shard:
         from shoal.parallel import fully_shard
 
