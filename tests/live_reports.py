@@ -29,9 +29,11 @@ def assert_alike(reports: dict[str, list[tuple[str, str]]], finals: dict[str, st
 
 
 def replay(ledger: list[tuple[int, int, int]], data: torch.utils.data.TensorDataset, model: nn.Module,
-           optimizer: torch.optim.Optimizer, seed: int) -> list[torch.Tensor]:
+           optimizer: torch.optim.Optimizer, seed: int,
+           scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> list[torch.Tensor]:
     """The committed steps of a ledger ((start, stop, members) per step, in the epoch's order that `seed`
-    shuffles) in one process: each member's mean-loss gradient on its slice, averaged, then a step."""
+    shuffles) in one process: each member's mean-loss gradient on its slice, averaged, then a step (and the
+    scheduler's)."""
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed)).tolist()
     for start, stop, world in ledger:
         share, extra = divmod(stop - start, world)
@@ -44,4 +46,6 @@ def replay(ledger: list[tuple[int, int, int]], data: torch.utils.data.TensorData
         for param, summed in zip(model.parameters(), total, strict=True):
             param.grad = summed / world
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
     return [p.detach() for p in model.parameters()]

@@ -16,8 +16,10 @@ its group and the sampler shares the lost members' samples out, so every sample 
 once. A worker whose launch rank is taken (it replaces a lost one) asks to join; the members admit it
 after the next step that commits, in a new generation. Whenever the generation changes, every member
 takes rank 0's parameters, buffers, optimizer state, data position and step count over the transport
-(handover.py), so all hold the same state. What a discarded step's forward changed besides the
-gradients (BatchNorm's running statistics, the random number generators) is not rolled back.
+(handover.py), so all hold the same state; a fully_shard model is cut again over the new members instead,
+each block taken from a worker that holds it, its own or a buddy (shard_keeper.py). What a discarded
+step's forward changed besides the gradients (BatchNorm's running statistics, the random number
+generators) is not rolled back.
 
 A script may train several times in turn (a LiveTraining each, closed before the next): each later
 training begins with the last members of the one before, and a worker that missed one (it arrived
@@ -107,6 +109,8 @@ class LiveTraining:
         self._module, self._ddp_options = module, ddp_options
         self.model: DistributedDataParallel | nn.Module | None = None
         self._keeper: ShardKeeper | None = None
+        if not isinstance(module, FSDPModule) and redundancy != 1:
+            raise ValueError("redundancy is for a fully_shard model's blocks; a DDP replica is whole on every worker")
         if isinstance(module, FSDPModule):
             if ddp_options:
                 raise TypeError(f"a fully_shard model is not wrapped in DDP: {sorted(ddp_options)} do not apply")
@@ -140,7 +144,7 @@ class LiveTraining:
     def _miss(self, index: int) -> None:
         """The members finished this training before this worker could join it: go on to the next one
         once they have begun it, or end (JobFinished) once they have all exited."""
-        self.missed, self.generation, self.group = True, None, None
+        self.missed, self.model, self.generation, self.group = True, None, None, None
         members = self.membership.last_members()
         patience = max(self._timeout, JOIN_WAIT).total_seconds()
         for _ in attempts(time.monotonic() + patience, first=0.005, limit=0.1, factor=1.5):
@@ -211,7 +215,7 @@ class LiveTraining:
         finally:
             self.optimizer.zero_grad()
             if self._keeper is not None:
-                self._keeper.discard()
+                self._keeper.drop_gradients()
 
     def _step_key(self) -> str:
         return f"{self.generation.number}/{self.steps}"
@@ -313,8 +317,9 @@ class LiveTraining:
         return state
 
     def close(self) -> None:
-        """Training is over: `model` averages gradients no more, and workers still waiting to join go
-        on to the next training, or end (JobFinished) when the members exit."""
+        """Training is over: `model` averages gradients no more (a fully_shard model's group is shut down:
+        evaluate or save before), and workers still waiting to join go on to the next training, or end
+        (JobFinished) when the members exit."""
         if not self.missed:
             self.membership.finish(self.generation)
             if self._keeper is None:

@@ -13,9 +13,11 @@ re-sharding starts again from them.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,11 +46,13 @@ def _rows(total: int, world: int, block: int) -> slice:
     return slice(start, min(start + per, total))
 
 
+@dataclass
 class _Buddy:
     """Copies of one other worker's block, stepped as it steps its own."""
 
-    def __init__(self, block: int, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
-        self.block, self.params, self.optimizer = block, params, optimizer
+    block: int
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
 
 
 class ShardKeeper:
@@ -58,6 +62,9 @@ class ShardKeeper:
         if redundancy < 1:
             raise ValueError(f"redundancy must be at least 1 (each block held by one other worker), got {redundancy}")
         self.shardings = [m._shoal_shards for m in model.modules() if isinstance(m, FSDPModule)]
+        if any(sharding.group.group is not None for sharding in self.shardings):
+            raise ValueError("LiveTraining shards the model over each generation's group: call fully_shard with no "
+                             "group and no process group initialized (the script under `shoal run --live`)")
         self.slots: list[ShardedParam] = [slot for s in self.shardings for slot in s.group.params]
         self.optimizer, self.redundancy = optimizer, redundancy
         sharded = {id(slot.shard) for slot in self.slots}
@@ -93,24 +100,24 @@ class ShardKeeper:
 
     def send_gradients(self, group: ProcessGroup) -> None:
         """Give each buddy this worker's reduced gradient rows, and take those of the workers this one is a
-        buddy of (a collective of the generation: before the step's decision)."""
+        buddy of, before the step's decision. One all-to-all (empty between ranks that are not buddies): a
+        collective, so that a member lost anywhere fails it on every rank, where a receive from a live
+        member that never sends (its backward failed) would wait out the timeout."""
         with_grad = [i for i, slot in enumerate(self.slots) if slot.shard.grad is not None]
-        if not self._buddies or not with_grad:
+        if not self._buddies or not with_grad:  # alike on every member: they run the same graph
             return
         mine = torch.cat([self.slots[i].shard.grad.reshape(-1) for i in with_grad])
-        works, arriving = [], []
+        ins = [mine.new_empty(0) for _ in range(group.size)]
+        outs = [mine.new_empty(0) for _ in range(group.size)]
         for distance, buddy in enumerate(self._buddies, start=1):
-            into = torch.empty(sum(buddy.params[i].numel() for i in with_grad), dtype=mine.dtype)
-            works.append(group.send(mine, group.ranks[(group.rank + distance) % group.size]))
-            works.append(group.recv(into, group.ranks[buddy.block]))
-            arriving.append((buddy, into))
-        for work in works:
-            work.wait()
-        for buddy, into in arriving:
+            ins[(group.rank + distance) % group.size] = mine
+            outs[buddy.block] = mine.new_empty(sum(buddy.params[i].numel() for i in with_grad))
+        group.all_to_all(outs, ins, async_op=False)
+        for buddy in self._buddies:
             offset = 0
             for i in with_grad:
                 param = buddy.params[i]
-                param.grad = into[offset:offset + param.numel()].view(param.shape)
+                param.grad = outs[buddy.block][offset:offset + param.numel()].view(param.shape)
                 offset += param.numel()
 
     def commit(self) -> None:
@@ -120,11 +127,10 @@ class ShardKeeper:
             for mine, theirs in zip(self.optimizer.param_groups, buddy.optimizer.param_groups, strict=True):
                 theirs.update({key: value for key, value in mine.items() if key != "params"})
             buddy.optimizer.step()
-            buddy.optimizer.zero_grad()
         self._held = None  # the current layout is committed
 
-    def discard(self) -> None:
-        """The step was discarded: the gradients the buddies received are dropped with the workers' own."""
+    def drop_gradients(self) -> None:
+        """After each step, committed or discarded: the gradients the buddies received go with the workers' own."""
         for buddy in self._buddies:
             buddy.optimizer.zero_grad()
 
@@ -154,9 +160,9 @@ class ShardKeeper:
             if flat.numel():
                 group.broadcast(flat, group.ranks[src], async_op=False)
             self._take(flat, old, len(old_members), keys, new, group.size)
-        # Until a step commits in the new layout, the last committed one is the one to start again from. Before
-        # the first cut there is none: each member's uncut model is its own, and the cut holds rank 0's.
-        self._held = source if self._members is not None else None
+        # Until a step commits in the new layout, the last committed one is the one to start again from (before
+        # the first commit, the uncut model: the next generation's rank 0's, as the first cut took rank 0's).
+        self._held = source
         self._install(group, members, new, wanted)
 
     def _holder(self, block: int, old_members: tuple[str, ...], members: Sequence[str]) -> int:
@@ -182,24 +188,21 @@ class ShardKeeper:
             blocks[buddy.block] = [_state(param, buddy.optimizer) for param in buddy.params]
         return _Holdings(self._members or (me,), blocks)
 
-    def _row_keys(self, keys: list[dict]) -> list[tuple[int, str]]:
-        return [(i, key) for i, k in enumerate(keys) for key, value in k.items() if _is_marker(value)]
-
     def _flat(self, block: Block, keys: list[dict]) -> torch.Tensor:
-        return torch.cat([block[i][key].reshape(-1) for i, key in self._row_keys(keys)])
+        return torch.cat([block[i][key].reshape(-1) for i, key in _row_keys(keys)])
 
     def _flat_empty(self, old: int, world: int, keys: list[dict]) -> torch.Tensor:
         numel = 0
-        for i, _ in self._row_keys(keys):
+        for i, _ in _row_keys(keys):
             rows = _rows(self.slots[i].full.shape[0], world, old)
             numel += (rows.stop - rows.start) * self.slots[i].row_numel
-        return torch.empty(numel, dtype=self.slots[0].shard.dtype)
+        return torch.empty(numel, dtype=self.slots[0].shard.dtype, device=self.slots[0].shard.device)
 
     def _take(self, flat: torch.Tensor, old: int, old_world: int, keys: list[dict], new: dict[int, Block],
               world: int) -> None:
         """Copy the rows of old block `old` that fall in each wanted new block."""
         offset = 0
-        for i, key in self._row_keys(keys):
+        for i, key in _row_keys(keys):
             slot = self.slots[i]
             have = _rows(slot.full.shape[0], old_world, old)
             rows = flat[offset:offset + (have.stop - have.start) * slot.row_numel].view(-1, *slot.full.shape[1:])
@@ -215,12 +218,13 @@ class ShardKeeper:
         buddies' copies, each with an optimizer of the model's kind."""
         mine = new[group.rank]
         start = 0
-        for sharding in self.shardings:
+        for sharding in self.shardings:  # each drops what it had in flight on the old group, unawaited
             count = len(sharding.group.params)
             sharding.group.recut(group, [state["param"] for state in mine[start:start + count]])
             start += count
-            if sharding.tree is not None and sharding.tree.in_backward:
-                sharding.tree.abandon_backward()  # a backward the loss broke: nothing of it is kept
+        for tree in {id(s.tree): s.tree for s in self.shardings if s.tree is not None}.values():
+            if tree.in_backward:
+                tree.abandon_backward()  # a backward the loss broke: nothing of it is kept
         for slot, state in zip(self.slots, mine, strict=True):
             _set_state(self.optimizer, slot.shard, state)
         self._buddies = [self._buddy(block, new[block]) for block in wanted[1:]]
@@ -234,10 +238,23 @@ class ShardKeeper:
         for slot, param in zip(self.slots, params, strict=True):
             if id(slot.shard) in self._group_of:
                 groups[self._group_of[id(slot.shard)]]["params"].append(param)
-        optimizer = type(self.optimizer)(groups, **self.optimizer.defaults)
+        optimizer = _like(self.optimizer, groups)
         for param, s in zip(params, state, strict=True):
             _set_state(optimizer, param, s)
         return _Buddy(block, params, optimizer)
+
+
+def _like(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """An optimizer of `optimizer`'s class over `groups` (which carry every setting), new: no state, no hooks
+    (a scheduler's wrapper of `step` is the original's). Its constructor gets the settings it takes, where
+    `defaults` may hold more (AdamW's hold the decoupled_weight_decay of Adam, its base, which it sets itself)."""
+    takes = inspect.signature(type(optimizer).__init__).parameters
+    any_setting = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if any_setting or k in takes})
+
+
+def _row_keys(keys: list[dict]) -> list[tuple[int, str]]:
+    return [(i, key) for i, k in enumerate(keys) for key, value in k.items() if _is_marker(value)]
 
 
 def _state(param: nn.Parameter, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
