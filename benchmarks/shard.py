@@ -1,4 +1,5 @@
-"""Sharded training: shoal's fully_shard beside torch's, and what each rank holds under DDP, ZeRO-1 and fully_shard.
+"""Sharded training: shoal's fully_shard beside torch's, and what each rank holds under DDP, ZeRO-1, ZeRO-2 and
+fully_shard.
 
     python benchmarks/shard.py              # or: shoal bench shard (4 ranks)
     python benchmarks/shard.py --quick      # 2 ranks, a smaller model, fewer steps
@@ -11,12 +12,13 @@ Two parts, each with fresh processes:
   median;
 - memory: one run per way of training a larger GPT with Adam (shoal's DistributedDataParallel; it with
   shoal's ZeroRedundancyOptimizer; shoal's fully_shard on the embedding, each block and the head, as
-  torchtitan shards), a few steps each: the most any rank's resident memory grew over what it was before
-  the model was made (its peak, from getrusage), less what the same run grows with a toy model (the cost of
-  a process that trains at all: autograd's and the transport's threads and buffers), beside the model's
-  state per rank (16 bytes per parameter for DDP with Adam, 16 / N for fully_shard). glibc's mmap
-  threshold is fixed (MALLOC_MMAP_THRESHOLD_), so that a freed buffer leaves the resident set and the peak
-  is what was live at once, not the heap's high-water mark;
+  torchtitan shards, and the same with reshard_after_forward=False, ZeRO-2 as FSDP makes it), a few steps
+  each: the most any rank's resident memory grew over what it was before the model was made (its peak,
+  from getrusage), less what the same run grows with a toy model (the cost of a process that trains at all:
+  autograd's and the transport's threads and buffers), beside the model's state per rank (16 bytes per
+  parameter for DDP with Adam, 16 / N for fully_shard). glibc's mmap threshold is fixed
+  (MALLOC_MMAP_THRESHOLD_), so that a freed buffer leaves the resident set and the peak is what was live at
+  once, not the heap's high-water mark;
 - with --cap: DDP and fully_shard again, each rank in a memory cgroup of its own, which caps what the rank
   allocates from its start (what it held before stays charged where it was) halfway between the two's peak
   growth: whether each trains or is killed over the cap.
@@ -37,7 +39,7 @@ from tests.ranks import RankFailed, run_ranks
 MODELS = {"step": dict(vocab=2048, dim=256, blocks=4, heads=8), "memory": dict(vocab=8192, dim=512, blocks=8, heads=8)}
 QUICK_MODELS = {"step": MODELS["step"], "memory": dict(vocab=4096, dim=256, blocks=4, heads=8)}
 TOY = dict(vocab=64, dim=16, blocks=1, heads=2)
-WAYS = ("DDP", "ZeRO-1", "fully_shard")
+WAYS = ("DDP", "ZeRO-1", "ZeRO-2", "fully_shard")  # ZeRO-2: fully_shard(reshard_after_forward=False)
 
 
 def _gpt(shape: dict):
@@ -111,9 +113,9 @@ def _memory_worker(rank: int, world: int, shape: dict, way: str, steps: int, cap
     model = _gpt(shape)
     params = sum(p.numel() for p in model.parameters())
     largest = max(sum(p.numel() for p in part.parameters()) for part in (model.embed, *model.blocks, model.head))
-    if way == "fully_shard":
+    if way in ("ZeRO-2", "fully_shard"):
         for part in (model.embed, *model.blocks, model.head):
-            fully_shard(part)
+            fully_shard(part, reshard_after_forward=way == "fully_shard")
         model = fully_shard(model)
     else:
         model = DistributedDataParallel(model)
@@ -167,9 +169,10 @@ def _memory_table(n: int, shape: dict, steps: int) -> tuple[list[str], dict[str,
         params, largest, activations = out[0]["params"], out[0]["largest"], out[0]["activations"]
         # DDP and ZeRO-1 hold whole parameters and gradients (4 + 4 bytes each); Adam's state is 8 bytes, all
         # of it under DDP, 1/N under ZeRO-1. fully_shard holds 1/N of all 16, and one module's whole
-        # parameters (4 bytes each) while it computes.
-        state = {"DDP": 16 * params, "ZeRO-1": 8 * params + 8 * params / n, "fully_shard": 16 * params / n}[way]
-        gathered = 4 * largest if way == "fully_shard" else 0
+        # parameters (4 bytes each) while it computes; ZeRO-2 all of them, from the end of forward until
+        # backward has reduced their gradients.
+        state = {"DDP": 16 * params, "ZeRO-1": 8 * params + 8 * params / n}.get(way, 16 * params / n)
+        gathered = {"ZeRO-2": 4 * params, "fully_shard": 4 * largest}.get(way, 0)
         lines.append(f"| {way} | {_mib(toy)} | {_mib(growth)} | {_mib(state)} | {_mib(activations)} | "
                      f"{growth / (state + activations + gathered):.2f}x |")
     return lines, growths
