@@ -4,6 +4,7 @@ fully_shard.
     python benchmarks/shard.py              # or: shoal bench shard (4 ranks)
     python benchmarks/shard.py --quick      # 2 ranks, a smaller model, fewer steps
     python benchmarks/shard.py --cap        # also under a per-rank memory cap (root, cgroup v1)
+    python benchmarks/shard.py --large      # memory only, ZeRO-2 and fully_shard, Adam state 2.1 GB
 
 Two parts, each with fresh processes:
 - step time: a step (zero_grad, forward, loss, backward, SGD) of a GPT sharded block by block, with shoal's
@@ -39,6 +40,7 @@ from tests.ranks import RankFailed, run_ranks
 MODELS = {"step": dict(vocab=2048, dim=256, blocks=4, heads=8), "memory": dict(vocab=8192, dim=512, blocks=8, heads=8)}
 QUICK_MODELS = {"step": MODELS["step"], "memory": dict(vocab=4096, dim=256, blocks=4, heads=8)}
 TOY = dict(vocab=64, dim=16, blocks=1, heads=2)
+LARGE = dict(vocab=16384, dim=1024, blocks=18, heads=16)  # 260.3M parameters: Adam's state is 2.1 GB
 WAYS = ("DDP", "ZeRO-1", "ZeRO-2", "fully_shard")  # ZeRO-2: fully_shard(reshard_after_forward=False)
 
 
@@ -155,13 +157,15 @@ def _step_table(n: int, shape: dict, steps: int) -> list[str]:
                     for label, seconds in times.items()]
 
 
-def _memory_table(n: int, shape: dict, steps: int) -> tuple[list[str], dict[str, float]]:
+def _memory_table(n: int, shape: dict, steps: int, ways: tuple[str, ...] = WAYS
+                  ) -> tuple[list[str], dict[str, float]]:
     """The table, and each way's largest peak growth (toy's included)."""
     lines = ["", f"memory, GPT {shape}, Adam, {n} ranks (the largest rank's peak resident growth, less a toy "
              f"model's):", "", "| training | toy's growth | peak growth less toy's | model state per rank | "
-             "activations | / (state + activations + the largest module gathered) |", "|---|---|---|---|---|---|"]
+             "activations | / (state + activations + what is gathered whole: ZeRO-2 all, fully_shard the largest "
+             "module) |", "|---|---|---|---|---|---|"]
     growths = {}
-    for way in WAYS:
+    for way in ways:
         toy = max(r["growth"] for r in run_ranks(_memory_worker, n, TOY, way, steps, timeout=None).values())
         out = run_ranks(_memory_worker, n, shape, way, steps, timeout=None)
         growth = max(result["growth"] for result in out.values()) - toy
@@ -212,7 +216,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cap", action="store_true", help="also train DDP and fully_shard with each rank's memory "
                         "growth capped halfway between their peaks (needs root and cgroup v1's memory controller)")
     parser.add_argument("--quick", action="store_true", help="2 ranks, a smaller model for memory, 4 steps")
+    parser.add_argument("--large", action="store_true", help="memory only, of ZeRO-2 and fully_shard, training a "
+                        "260.3M-parameter GPT whose Adam state is 2.1 GB (DDP's would need 4.2 GB per rank)")
     args = parser.parse_args(argv)
+    if args.large:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        print("\n".join(_memory_table(args.world_size, LARGE, args.memory_steps, ("ZeRO-2", "fully_shard"))[0]))
+        return
     models = QUICK_MODELS if args.quick else MODELS
     if args.quick:
         args.world_size, args.steps = 2, 4

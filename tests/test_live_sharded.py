@@ -20,7 +20,7 @@ from shoal.elastic.live import LiveTraining
 from shoal.elastic.shard_keeper import ShardKeeper
 from shoal.parallel import fully_shard
 from tests.live_reports import replay
-from tests.ranks import run_ranks
+from tests.ranks import RankFailed, run_ranks
 
 SAMPLES, BATCH, SEED = 61, 2, 1
 QUIET = {"SHOAL_HEARTBEAT_TIMEOUT": "30"}  # as in test_live.py: losses are seen as closed sockets
@@ -123,3 +123,22 @@ def _keep_bound_model(rank: int, world: int) -> str:
 
 def test_a_model_sharded_over_a_group_of_its_own_is_refused() -> None:
     assert len(set(run_ranks(_keep_bound_model, 2).values())) == 1
+
+
+def _train_with_adafactor(rank: int, world: int, _: int, store_port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port),
+                      TORCHELASTIC_USE_AGENT_STORE="True", SHOAL_LIVE="1")
+    data, model = _data(), _model()
+    fully_shard(model)
+    optimizer = torch.optim.Adafactor(model.parameters())  # its moments of a matrix: one per row, one per column
+    sampler = ElasticSampler(data, BATCH, rank=rank, world_size=world, seed=SEED)
+    live = LiveTraining(model, optimizer, sampler, timeout=timedelta(seconds=30))
+    x, y = data[:2]
+    with live.step():
+        nn.functional.cross_entropy(live.model(x), y).backward()
+
+
+def test_optimizer_state_that_cannot_be_cut_with_the_rows_is_refused_at_the_first_step() -> None:
+    store = Store.connect("127.0.0.1", 0, world_size=1, is_server=True)
+    with pytest.raises(RankFailed, match="neither one row per row of the shard"):
+        run_ranks(_train_with_adafactor, 2, store.raw.port, backend=None, timeout=60)

@@ -49,7 +49,7 @@ from shoal.elastic.decisions import DISCARD, GROW, StepDecisions
 from shoal.elastic.handover import share_state
 from shoal.elastic.identity import member_id
 from shoal.elastic.membership import JOIN_WAIT, Generation, JobFinished, Membership
-from shoal.elastic.shard_keeper import ShardKeeper
+from shoal.elastic.shard_keeper import ShardKeeper, settings
 from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.observe import events, timeline
 from shoal.parallel import DistributedDataParallel, FSDPModule
@@ -109,6 +109,9 @@ class LiveTraining:
         self._module, self._ddp_options = module, ddp_options
         self.model: DistributedDataParallel | nn.Module | None = None
         self._keeper: ShardKeeper | None = None
+        if not isinstance(module, FSDPModule) and any(isinstance(m, FSDPModule) for m in module.modules()):
+            raise ValueError("fully_shard was called on parts of this model but not on the whole: call it on the "
+                             "model too (the root, which LiveTraining re-cuts over each generation)")
         if not isinstance(module, FSDPModule) and redundancy != 1:
             raise ValueError("redundancy is for a fully_shard model's blocks; a DDP replica is whole on every worker")
         if isinstance(module, FSDPModule):
@@ -311,8 +314,7 @@ class LiveTraining:
         if self._keeper is None:
             state["optimizer"] = self.optimizer.state_dict()
         else:
-            state["settings"] = [{k: v for k, v in group.items() if k != "params"} for group in
-                                 self.optimizer.param_groups]
+            state["settings"] = [settings(group) for group in self.optimizer.param_groups]
             state["buffers"] = dict(self._module.named_buffers())
         return state
 

@@ -25,7 +25,7 @@ from torch import nn
 from shoal.comm.backends.group import ProcessGroup
 from shoal.comm.objects import broadcast_object_list
 from shoal.parallel.fully_shard import FSDPModule
-from shoal.parallel.shard_group import ShardedParam
+from shoal.parallel.shard_group import ShardedParam, block_rows
 
 ROWS = "rows"  # in the layout's key list: a state value with one row per parameter row, re-cut with them
 Block = list[dict[str, torch.Tensor]]  # per parameter: "param" and its optimizer state, for one block's rows
@@ -41,9 +41,12 @@ class _Holdings:
 
 def _rows(total: int, world: int, block: int) -> slice:
     """The rows of a `total`-row parameter that `block` of `world` holds, as fully_shard cuts them."""
-    per = math.ceil(total / world)
-    start = min(block * per, total)
-    return slice(start, min(start + per, total))
+    return block_rows(total, math.ceil(total / world), block)
+
+
+def settings(group: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's parameter group less its parameters: the learning rate and the rest."""
+    return {key: value for key, value in group.items() if key != "params"}
 
 
 @dataclass
@@ -83,6 +86,7 @@ class ShardKeeper:
         self._block = 0  # this worker's block in the current layout
         self._buddies: list[_Buddy] = []
         self._held: _Holdings | None = None  # the last committed layout's, while the current one is not
+        self._state_checked = False  # the optimizer's state can be cut with the rows (known after a first step)
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer, redundancy: int) -> ShardKeeper:
@@ -125,9 +129,13 @@ class ShardKeeper:
         learning rate a schedule sets) the optimizer has now."""
         for buddy in self._buddies:
             for mine, theirs in zip(self.optimizer.param_groups, buddy.optimizer.param_groups, strict=True):
-                theirs.update({key: value for key, value in mine.items() if key != "params"})
+                theirs.update(settings(mine))
             buddy.optimizer.step()
         self._held = None  # the current layout is committed
+        if not self._state_checked:  # alike on every member, so all raise together, at the first step
+            self._state_checked = True
+            if refusal := self._refusal([_state(slot.shard, self.optimizer) for slot in self.slots]):
+                raise ValueError(refusal)
 
     def drop_gradients(self) -> None:
         """After each step, committed or discarded: the gradients the buddies received go with the workers' own."""
@@ -141,13 +149,15 @@ class ShardKeeper:
         from the blocks of the last committed layout, each broadcast by a member that holds it (the new
         rank 0 holds state: LiveTraining checks). A collective of the generation."""
         source = self._held or (self._holdings(members[group.rank]) if holds_state else None)
-        plan = [None]
+        plan: list[Any] = [None]
         if group.rank == 0:
             assert source is not None
             own = source.blocks[source.members.index(members[0])]
-            plan = [(source.members, [{key: ROWS if _is_rows(value, block["param"]) else value
-                                       for key, value in block.items()} for block in own])]
+            plan = [self._refusal(own) or (source.members, [{key: ROWS if _is_rows(value, block["param"]) else value
+                                                               for key, value in block.items()} for block in own])]
         broadcast_object_list(group, plan, group.ranks[0])
+        if isinstance(plan[0], str):  # on every member, as none can go on
+            raise ValueError(plan[0])
         old_members, keys = plan[0]
         copies = min(self.redundancy, group.size - 1)
         wanted = [(group.rank - distance) % group.size for distance in range(copies + 1)]
@@ -165,6 +175,23 @@ class ShardKeeper:
         self._held = source
         self._install(group, members, new, wanted)
 
+    def _refusal(self, own: Block) -> str | None:
+        """Why the optimizer's state cannot be cut with the rows, if it cannot: a tensor neither one value
+        per parameter (Adam's step) nor one row per row (a factored moment, as Adafactor keeps), or rows of
+        another dtype than the parameters' (they travel as one buffer)."""
+        for slot, block in zip(self.slots, own, strict=True):
+            for key, value in block.items():
+                if not torch.is_tensor(value) or value.dim() == 0:
+                    continue
+                if not _is_rows(value, block["param"]):
+                    return (f"live recovery of a fully_shard model: the optimizer's state {key!r} of {slot.path!r} "
+                            f"has shape {tuple(value.shape)}, neither one row per row of the shard "
+                            f"{tuple(block['param'].shape)} nor one value: it cannot be cut with the rows")
+                if value.dtype != block["param"].dtype:
+                    return (f"live recovery of a fully_shard model: the optimizer's state {key!r} of {slot.path!r} "
+                            f"is {value.dtype}, the parameters {block['param'].dtype}: its rows travel with theirs")
+        return None
+
     def _holder(self, block: int, old_members: tuple[str, ...], members: Sequence[str]) -> int:
         """The new rank of the first member of the old layout, round the ring from `block`'s own worker,
         that is still here to hold it."""
@@ -175,9 +202,9 @@ class ShardKeeper:
                 return list(members).index(member)
         holders = [old_members[(block + d) % len(old_members)] for d in range(copies + 1)]
         raise RuntimeError(f"block {block} of the sharded model was held by {holders} (redundancy="
-                           f"{self.redundancy}), and all of them were lost together: its rows are gone; restore "
-                           f"the job from a checkpoint (shoal.checkpoint.ShardedCheckpoint), or train with a "
-                           f"larger redundancy")
+                           f"{self.redundancy}), and all of them were lost before the layout after them was "
+                           f"committed: its rows are gone. Restart the job from a checkpoint (the model's and the "
+                           f"optimizer's state_dict, saved while it trained), or train with a larger redundancy")
 
     def _holdings(self, me: str) -> _Holdings:
         """The blocks this worker holds now, by reference: its own (the model's shards and their optimizer
@@ -233,7 +260,7 @@ class ShardKeeper:
     def _buddy(self, block: int, state: Block) -> _Buddy:
         params = [nn.Parameter(s["param"], requires_grad=slot.shard.requires_grad)
                   for slot, s in zip(self.slots, state, strict=True)]
-        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": []}
+        groups = [{**settings(group), "params": []}
                   for group in self.optimizer.param_groups]
         for slot, param in zip(self.slots, params, strict=True):
             if id(slot.shard) in self._group_of:

@@ -44,8 +44,7 @@ class ShardedParam:
 
     def block(self, rank: int) -> slice:
         """The rows of the whole parameter that `rank` holds."""
-        start = min(rank * self.rows, self.full.shape[0])
-        return slice(start, min(start + self.rows, self.full.shape[0]))
+        return block_rows(self.full.shape[0], self.rows, rank)
 
     def flat(self, rank: int) -> slice:
         """Where `rank`'s rows sit in a rank's part of the flat buffer (without the padding)."""
@@ -54,6 +53,12 @@ class ShardedParam:
 
     def register(self, param: nn.Parameter) -> None:
         self.module._parameters[self.name] = param
+
+
+def block_rows(total: int, per_block: int, block: int) -> slice:
+    """The rows of a `total`-row parameter in `block`, when each block holds `per_block` (ceil(total / blocks))."""
+    start = min(block * per_block, total)
+    return slice(start, min(start + per_block, total))
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -189,8 +194,8 @@ class ShardGroup:
     def _bound(self) -> ProcessGroup:
         if self.group is None:
             raise RuntimeError("fully_shard: this model was sharded with no process group to shard over (none was "
-                               "initialized); it trains under shoal.elastic.LiveTraining, which gives it each "
-                               "generation's group: use LiveTraining's model, or call init_process_group first")
+                               "initialized); shoal.elastic.LiveTraining gives it each generation's group once it is "
+                               "constructed (or call init_process_group before fully_shard)")
         return self.group
 
     def _gather(self, async_op: bool) -> tuple[Work, torch.Tensor]:
