@@ -28,6 +28,13 @@ def assert_alike(reports: dict[str, list[tuple[str, str]]], finals: dict[str, st
     assert len({text.split(" generation ")[1] for text in finals.values()}) == 1, finals
 
 
+def live_data(samples: int) -> torch.utils.data.TensorDataset:
+    """Six features, three classes: what the live tests train on."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(samples, 6, generator=generator, dtype=torch.float64)
+    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
 def replay(ledger: list[tuple[int, int, int]], data: torch.utils.data.TensorDataset, model: nn.Module,
            optimizer: torch.optim.Optimizer, seed: int,
            scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> list[torch.Tensor]:

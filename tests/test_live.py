@@ -22,7 +22,7 @@ from shoal.comm.store import Store
 from shoal.data import ElasticSampler
 from shoal.elastic.live import LiveTraining
 from shoal.ports import free_port
-from tests.live_reports import assert_alike, replay, states
+from tests.live_reports import assert_alike, live_data, replay, states
 from tests.processes import reaped
 from tests.ranks import run_ranks
 from tests.waiting import wait_until
@@ -34,12 +34,6 @@ SAMPLES, BATCH, SEED = 61, 2, 1
 QUIET = {"SHOAL_HEARTBEAT_TIMEOUT": "30"}
 
 
-def _data() -> torch.utils.data.TensorDataset:
-    generator = torch.Generator().manual_seed(5)
-    x = torch.randn(SAMPLES, 6, generator=generator, dtype=torch.float64)
-    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Linear(6, 3).double()
@@ -48,7 +42,7 @@ def _model() -> nn.Module:
 def _train(rank: int, world: int, _: int, store_port: int, victim: int | None, lost_at: int) -> tuple:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port),
                       TORCHELASTIC_USE_AGENT_STORE="True", SHOAL_LIVE="1")  # as `shoal run --live` sets them
-    data, model = _data(), _model()
+    data, model = live_data(SAMPLES), _model()
     sampler = ElasticSampler(data, BATCH, rank=rank, world_size=world, seed=SEED)
     live = LiveTraining(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler, timeout=timedelta(seconds=30))
     ledger = []  # per committed step: where it starts and ends in the epoch's order, and how many took part
@@ -66,7 +60,7 @@ def _train(rank: int, world: int, _: int, store_port: int, victim: int | None, l
 
 def _replay(ledger: list[tuple[int, int, int]]) -> list[torch.Tensor]:
     model = _model()
-    return replay(ledger, _data(), model, torch.optim.SGD(model.parameters(), lr=0.1), SEED)
+    return replay(ledger, live_data(SAMPLES), model, torch.optim.SGD(model.parameters(), lr=0.1), SEED)
 
 
 @pytest.mark.parametrize(("victim", "lost_at"), [(None, 0), (1, 3), (0, 6)],
@@ -202,7 +196,7 @@ def test_live_training_refuses_to_start_where_a_loss_would_stop_everyone(monkeyp
     monkeypatch.setenv("SHOAL_LIVE", "0")  # `shoal run` without --live
     with pytest.raises(RuntimeError, match=r"shoal run --live"):
         LiveTraining(_model(), torch.optim.SGD(_model().parameters(), lr=0.1),
-                     ElasticSampler(_data(), BATCH, rank=0, world_size=1))
+                     ElasticSampler(live_data(SAMPLES), BATCH, rank=0, world_size=1))
 
 
 def test_the_demo_with_live_recovery_keeps_going_after_a_kill_and_the_lost_worker_rejoins() -> None:

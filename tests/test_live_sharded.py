@@ -19,17 +19,11 @@ from shoal.data import ElasticSampler
 from shoal.elastic.live import LiveTraining
 from shoal.elastic.shard_keeper import ShardKeeper
 from shoal.parallel import fully_shard
-from tests.live_reports import replay
+from tests.live_reports import live_data, replay
 from tests.ranks import RankFailed, run_ranks
 
 SAMPLES, BATCH, SEED = 61, 2, 1
 QUIET = {"SHOAL_HEARTBEAT_TIMEOUT": "30"}  # as in test_live.py: losses are seen as closed sockets
-
-
-def _data() -> torch.utils.data.TensorDataset:
-    generator = torch.Generator().manual_seed(5)
-    x = torch.randn(SAMPLES, 6, generator=generator, dtype=torch.float64)
-    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
 
 
 def _model() -> nn.Module:
@@ -48,7 +42,7 @@ def _train(rank: int, world: int, _: int, store_port: int, kills: dict[int, int]
            redundancy: int) -> tuple:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port),
                       TORCHELASTIC_USE_AGENT_STORE="True", SHOAL_LIVE="1")  # as `shoal run --live` sets them
-    data, model = _data(), _model()
+    data, model = live_data(SAMPLES), _model()
     fully_shard(model[0])
     fully_shard(model[2])
     fully_shard(model)
@@ -99,7 +93,7 @@ def test_survivors_reshard_from_buddies_and_equal_an_unsharded_replay(kills: dic
     assert ledger[-1][1] == SAMPLES
     reference = _model()
     optimizer, scheduler = _adam(reference.parameters())
-    want = replay(ledger, _data(), reference, optimizer, SEED, scheduler)
+    want = replay(ledger, live_data(SAMPLES), reference, optimizer, SEED, scheduler)
     for (name, got), expected in zip(whole.items(), want, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12, msg=name)
     # Adam's moments: each survivor's rows of them are the replay's rows in the last layout
@@ -128,7 +122,7 @@ def test_a_model_sharded_over_a_group_of_its_own_is_refused() -> None:
 def _train_with_adafactor(rank: int, world: int, _: int, store_port: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port),
                       TORCHELASTIC_USE_AGENT_STORE="True", SHOAL_LIVE="1")
-    data, model = _data(), _model()
+    data, model = live_data(SAMPLES), _model()
     fully_shard(model)
     optimizer = torch.optim.Adafactor(model.parameters())  # its moments of a matrix: one per row, one per column
     sampler = ElasticSampler(data, BATCH, rank=rank, world_size=world, seed=SEED)
