@@ -297,8 +297,8 @@ class LiveTraining:
             if self._keeper is None:
                 self.optimizer.load_state_dict(state["optimizer"])
             else:  # the shards' optimizer state was re-cut with them
-                for group, settings in zip(self.optimizer.param_groups, state["settings"], strict=True):
-                    group.update(settings)
+                for group, saved in zip(self.optimizer.param_groups, state["settings"], strict=True):
+                    group.update(saved)
                 for name, buffer in self._module.named_buffers():
                     buffer.copy_(state["buffers"][name])
             self.sampler.load_state_dict(state["sampler"])
