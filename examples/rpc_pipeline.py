@@ -1,28 +1,30 @@
-"""A model pipelined over RPC on the digits: an MLP cut into two shards that live on two workers,
-driven through RRefs by a master that splits each batch into micro-batches, so that shard 1 works
-on one micro-batch while shard 2 works on the one before. Distributed autograd carries the
-gradients back through both shards and a DistributedOptimizer updates them. The master also trains
-the unsplit model on the same batches: the micro-batches' gradients add up to the whole batch's,
-so both end with the same weights.
+"""A model pipelined over RPC on the digits: an MLP cut into shards that live on the other workers
+(two or three: one per worker beside the master), as RemoteModules driven by a master that splits
+each batch into micro-batches, so that each shard works on one micro-batch while the next shard
+works on the one before. Distributed autograd carries the gradients back through every shard and a
+DistributedOptimizer updates them. The master also trains the unsplit model on the same batches:
+the micro-batches' gradients add up to the whole batch's, so both end with the same weights.
 
-With --checkpoint-dir, the master checkpoints both shards, the optimizer's state on their workers
+With --checkpoint-dir, the master checkpoints the shards, the optimizer's state on their workers
 and its own reference model after every epoch, and resumes from the latest checkpoint when it
 starts: under `shoal run --max-restarts 1`, a job that lost any of its workers starts again and
-goes on from the last epoch it finished. With --live as well, under `shoal run --live`, nothing is
-restarted: when a shard's worker dies, the master builds that shard again on the other one, puts
-both shards and its own model back as the last checkpoint has them, and goes on from there (the
-master itself must live).
+goes on from the last epoch it finished. With --live, under `shoal run --live`, nothing is
+restarted (`shoal.elastic.LiveModules`): the master keeps a replica of every shard and its
+momentum after each step, and when a shard's worker dies, builds that shard again on another, puts
+every shard and its own model back as the replica has them, and redoes the step it was in; nothing
+learned is lost (the master itself must live).
 
     shoal run --nproc-per-node 3 examples/rpc_pipeline.py                 # master + 2 shards
-    shoal run --nproc-per-node 3 examples/rpc_pipeline.py --microbatches 8
+    shoal run --nproc-per-node 4 examples/rpc_pipeline.py --microbatches 8   # master + 3 shards
     shoal run --nproc-per-node 3 --max-restarts 1 examples/rpc_pipeline.py --checkpoint-dir ckpt
-    shoal run --live --nproc-per-node 3 examples/rpc_pipeline.py --checkpoint-dir ckpt --live
+    shoal run --live --nproc-per-node 4 examples/rpc_pipeline.py --live
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,7 +33,12 @@ from shoal import autograd as dist_autograd
 from shoal import rpc
 from shoal.checkpoint import ModelParallelCheckpoint
 from shoal.demo import digits
+from shoal.elastic import LiveModules
+from shoal.nn import RemoteModule
 from shoal.optim import DistributedOptimizer
+
+CUTS = {2: [(0, 4), (4, 6)], 3: [(0, 2), (2, 4), (4, 6)]}  # the layers of each shard, by the number of shards
+KEYS = ["first", "second", "third"]
 
 
 def whole_model() -> nn.Sequential:
@@ -50,45 +57,33 @@ class Shard(nn.Module):
     def forward(self, x_rref: rpc.RRef) -> torch.Tensor:
         return self.layers(x_rref.to_here())
 
-    def parameter_rrefs(self) -> list[rpc.RRef]:
-        return [rpc.RRef(param) for param in self.parameters()]
-
 
 class PipelinedModel(nn.Module):
-    """Each micro-batch goes to shard 1, whose output stays there (an RRef) and is fetched by
-    shard 2; calls are asynchronous, so micro-batches overlap across the shards."""
+    """Each micro-batch goes to the first shard, whose output stays there (an RRef) and is fetched by
+    the next; calls are asynchronous, so micro-batches overlap across the shards. The shards are
+    RemoteModules, so a LiveModules that builds one again elsewhere re-binds it here too."""
 
-    LAYERS = {"first": (0, 4), "second": (4, 6)}
-
-    def __init__(self, microbatches: int) -> None:
+    def __init__(self, shards: int, microbatches: int) -> None:
         super().__init__()
         self.microbatches = microbatches
-        self.placed = {"first": rpc.remote("shard1", Shard, args=self.LAYERS["first"]),
-                       "second": rpc.remote("shard2", Shard, args=self.LAYERS["second"])}
+        self.shards = {KEYS[index]: RemoteModule(f"shard{index + 1}/cpu", Shard, args=cut)
+                       for index, cut in enumerate(CUTS[shards])}
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
+        *middle, last = self.shards.values()
         outputs = []
         for chunk in images.chunk(self.microbatches):
-            hidden = self.placed["first"].remote().forward(rpc.RRef(chunk))
-            outputs.append(self.placed["second"].rpc_async().forward(hidden))
+            hidden = rpc.RRef(chunk)
+            for shard in middle:
+                hidden = shard.get_module_rref().remote().forward(hidden)
+            outputs.append(last.get_module_rref().rpc_async().forward(hidden))
         return torch.cat(torch.futures.wait_all(outputs))
 
     def parameter_rrefs(self) -> list[rpc.RRef]:
-        return [rref for shard in self.placed.values() for rref in shard.rpc_sync().parameter_rrefs()]
+        return [rref for shard in self.shards.values() for rref in shard.remote_parameters()]
 
-    def shards(self) -> dict[str, rpc.RRef]:
-        return dict(self.placed)
-
-    def rebuild(self, lost: set[str]) -> list[str]:
-        """Build the shards whose workers are in `lost` again on a worker that lives (their weights
-        as at the start: a checkpoint puts them back); the keys of those rebuilt."""
-        living = sorted({shard.owner_name() for shard in self.placed.values()} - lost)
-        if not living:
-            raise RuntimeError(f"every shard's worker is lost ({sorted(lost)}): nowhere to rebuild the model")
-        rebuilt = [key for key, shard in self.placed.items() if shard.owner_name() in lost]
-        for key in rebuilt:
-            self.placed[key] = rpc.remote(living[0], Shard, args=self.LAYERS[key])
-        return rebuilt
+    def placement(self) -> dict[str, str]:
+        return {key: shard.get_module_rref().owner_name() for key, shard in self.shards.items()}
 
 
 def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
@@ -116,70 +111,88 @@ class Reference:
         self.optimizer.load_state_dict(state["reference_optimizer"])
 
 
-def train(args: argparse.Namespace) -> None:
-    model = PipelinedModel(args.microbatches)
-    optimizer = DistributedOptimizer(torch.optim.SGD, model.parameter_rrefs(), lr=args.lr, momentum=0.9)
-    reference = Reference(args.lr)
+class Training:
+    """Steps numbered through the epochs: step s trains on batch s % steps_per_epoch of epoch
+    s // steps_per_epoch, so a step run again trains on the same batch."""
+
+    def __init__(self, args: argparse.Namespace, model: PipelinedModel, reference: Reference) -> None:
+        self.args, self.model, self.reference = args, model, reference
+        (self.images, self.labels), (self.test_images, self.test_labels) = (data.tensors for data in digits())
+        self.steps_per_epoch = -(-len(self.labels) // args.batch_size)
+        self.losses: dict[int, float] = {}  # this epoch's, by step (a step run again replaces its loss)
+        self.use = lambda fn, *args: fn(*args)  # how the shards are used outside a step: LiveModules.call, live
+
+    def step(self, context_id: int, step: int) -> None:
+        """The forward and backward of step `step` of both models (the DistributedOptimizer steps next)."""
+        epoch, part = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(len(self.labels), generator=torch.Generator().manual_seed(epoch))
+        batch = order[part * self.args.batch_size:(part + 1) * self.args.batch_size]
+        x, y = self.images[batch], self.labels[batch]
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        dist_autograd.backward(context_id, [loss])
+        self.reference.train_step(x, y)
+        self.losses[step] = loss.item() * len(y)
+
+    def end_of_epoch(self, step: int) -> None:
+        """Print the epoch that step `step` (the number of steps done) ended, if it ended one."""
+        epoch, part = divmod(step, self.steps_per_epoch)
+        if part != 0:
+            return
+        total = sum(loss for done, loss in self.losses.items() if done // self.steps_per_epoch == epoch - 1)
+        print(f"epoch {epoch - 1}: loss {total / len(self.labels):.4f}, test accuracy pipelined "
+              f"{self.use(accuracy, self.model, self.test_images, self.test_labels):.2%}, unsplit "
+              f"{accuracy(self.reference.model, self.test_images, self.test_labels):.2%}", flush=True)
+        self.losses = {done: loss for done, loss in self.losses.items() if done >= step}
+
+
+def train(args: argparse.Namespace, shards: int) -> None:
+    model, reference = PipelinedModel(shards, args.microbatches), Reference(args.lr)
+    training = Training(args, model, reference)
+    total, every = args.epochs * training.steps_per_epoch, training.steps_per_epoch
     checkpoints = ModelParallelCheckpoint(args.checkpoint_dir, async_save=True) if args.checkpoint_dir else None
-    first_epoch = resume(checkpoints, model, optimizer, reference)
-    if checkpoints and first_epoch == 0:  # so that a shard lost in epoch 0 is rebuilt as the others are reset
-        checkpoints.save(0, model.shards(), optimizer, extra=reference.state_dict())
-    while True:
-        try:
-            train_epochs(args, range(first_epoch, args.epochs), model, optimizer, reference, checkpoints)
-            break
-        except RuntimeError:  # PeerFailure, or what torch.futures.wait_all makes of one
-            lost = {worker.name for worker in rpc.lost_workers()}
-            if not (args.live and checkpoints and lost & {shard.owner_name() for shard in model.placed.values()}):
-                raise
-            rebuilt = model.rebuild(lost)
-            print(f"lost {sorted(lost)}: shard(s) {rebuilt} built again on "
-                  f"{sorted({model.placed[key].owner_name() for key in rebuilt})}", flush=True)
-            optimizer = DistributedOptimizer(torch.optim.SGD, model.parameter_rrefs(), lr=args.lr, momentum=0.9)
-            reference = Reference(args.lr)
-            first_epoch = resume(checkpoints, model, optimizer, reference)
-    (_, _), (test_images, test_labels) = (data.tensors for data in digits())
-    trained = [rref.to_here() for rref in model.parameter_rrefs()]
+    if args.live:
+        live = LiveModules(model.shards, make_optimizer(args), replica=True, checkpoints=checkpoints, every=every,
+                           extra={"reference": reference})
+        training.use = live.call
+        resumed(live.step, training)
+        while live.step < total:
+            reported = len(live.recoveries)
+            live.run(training.step)
+            training.end_of_epoch(live.step)
+            for recovery in live.recoveries[reported:]:
+                print(f"lost {recovery.lost}: shard(s) {sorted(recovery.moved)} built again on "
+                      f"{sorted(set(recovery.moved.values()))}; every shard restored from {recovery.source}, "
+                      f"step {recovery.step}", flush=True)
+    else:
+        optimizer = make_optimizer(args)(model.parameter_rrefs())
+        latest = checkpoints.load_latest(model.shards, optimizer) if checkpoints else None
+        if latest is not None:
+            reference.load_state_dict(latest.state["reference"])
+        for step in range(resumed(latest.step if latest else 0, training), total):
+            with dist_autograd.context() as context_id:
+                training.step(context_id, step)
+                optimizer.step(context_id)
+            if checkpoints and (step + 1) % every == 0:
+                checkpoints.save(step + 1, model.shards, optimizer, extra={"reference": reference.state_dict()})
+            training.end_of_epoch(step + 1)
+    if checkpoints:
+        checkpoints.wait()
+    trained = training.use(lambda: [rref.to_here() for rref in model.parameter_rrefs()])
     gap = max((p - q).abs().max().item() for p, q in zip(trained, reference.model.parameters(), strict=True))
-    print(f"final test accuracy: pipelined {accuracy(model, test_images, test_labels):.2%}, "
-          f"unsplit {accuracy(reference.model, test_images, test_labels):.2%}", flush=True)
+    print(f"final test accuracy: pipelined "
+          f"{training.use(accuracy, model, training.test_images, training.test_labels):.2%}, "
+          f"unsplit {accuracy(reference.model, training.test_images, training.test_labels):.2%}", flush=True)
     print(f"largest parameter difference from the unsplit model: {gap:.2e}", flush=True)
 
 
-def resume(checkpoints: ModelParallelCheckpoint | None, model: PipelinedModel, optimizer: DistributedOptimizer,
-           reference: Reference) -> int:
-    """Put the shards, their optimizer state and the reference back as the latest checkpoint has them;
-    the epoch to go on from."""
-    latest = checkpoints.load_latest(model.shards(), optimizer) if checkpoints else None
-    if latest is None:
-        return 0
-    reference.load_state_dict(latest.state)
-    if latest.step > 0:
-        print(f"resuming from {latest.path.name}: epoch {latest.step}", flush=True)
-    return latest.step
+def resumed(step: int, training: Training) -> int:
+    if step > 0:
+        print(f"resuming from step {step}: epoch {step // training.steps_per_epoch}", flush=True)
+    return step
 
 
-def train_epochs(args: argparse.Namespace, epochs: range, model: PipelinedModel, optimizer: DistributedOptimizer,
-                 reference: Reference, checkpoints: ModelParallelCheckpoint | None) -> None:
-    (images, labels), (test_images, test_labels) = (data.tensors for data in digits())
-    for epoch in epochs:
-        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch))
-        total = 0.0
-        for start in range(0, len(order), args.batch_size):
-            x, y = images[order[start:start + args.batch_size]], labels[order[start:start + args.batch_size]]
-            with dist_autograd.context() as context_id:
-                loss = nn.functional.cross_entropy(model(x), y)
-                dist_autograd.backward(context_id, [loss])
-                optimizer.step(context_id)
-            total += loss.item() * len(y)
-            reference.train_step(x, y)
-        print(f"epoch {epoch}: loss {total / len(order):.4f}, test accuracy pipelined "
-              f"{accuracy(model, test_images, test_labels):.2%}, unsplit "
-              f"{accuracy(reference.model, test_images, test_labels):.2%}", flush=True)
-        if checkpoints:
-            checkpoints.save(epoch + 1, model.shards(), optimizer, extra=reference.state_dict())
-    if checkpoints:
-        checkpoints.wait()
+def make_optimizer(args: argparse.Namespace) -> Callable[[list[rpc.RRef]], DistributedOptimizer]:
+    return lambda params: DistributedOptimizer(torch.optim.SGD, params, lr=args.lr, momentum=0.9)
 
 
 if __name__ == "__main__":
@@ -190,13 +203,13 @@ if __name__ == "__main__":
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--checkpoint-dir", help="checkpoint every epoch here, and resume from the latest")
     parser.add_argument("--live", action="store_true",
-                        help="with --checkpoint-dir: build a lost shard again on the other worker and go on")
+                        help="keep a replica of the shards; build a lost shard again on another worker and go on")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # set by `shoal run`
-    if world_size != 3:
-        raise SystemExit(f"rpc_pipeline.py runs on 3 workers (a master and 2 shards), not {world_size}")
+    if world_size - 1 not in CUTS:
+        raise SystemExit(f"rpc_pipeline.py runs on 3 or 4 workers (a master and 2 or 3 shards), not {world_size}")
     rpc.init_rpc("master" if rank == 0 else f"shard{rank}", rank=rank, world_size=world_size)
     if rank == 0:
-        train(args)
+        train(args, world_size - 1)
     rpc.shutdown()

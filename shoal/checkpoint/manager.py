@@ -34,14 +34,14 @@ class Checkpoint:
     path: Path | str  # the file; or, for a replica in a worker's memory, which worker
 
 
-def _snapshot(value: Any) -> Any:
+def snapshot(value: Any) -> Any:
     """A copy that later training steps cannot change: tensors cloned to CPU, containers rebuilt."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: _snapshot(v) for k, v in value.items()}
+        return {k: snapshot(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_snapshot(v) for v in value)
+        return type(value)(snapshot(v) for v in value)
     return value
 
 
@@ -95,11 +95,11 @@ class CheckpointManager:
         # A forked child would race its parent's writer on the manifest, and could not see that writer end.
         refuse_in_child(self._made_in, "this CheckpointManager", "make one in this process")
         self.wait()  # one write at a time; also surfaces the previous write's error
-        snapshot = _snapshot(state)
+        copied = snapshot(state)
         if not self.async_save:
-            self._write(step, snapshot, per_rank)
+            self._write(step, copied, per_rank)
             return
-        self._writer = threading.Thread(target=self._write_in_background, args=(step, snapshot, per_rank),
+        self._writer = threading.Thread(target=self._write_in_background, args=(step, copied, per_rank),
                                         name="shoal-checkpoint")
         self._writer.start()
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.checkpoint.manager import Checkpoint, CheckpointManager
+from shoal.checkpoint.manager import Checkpoint, CheckpointManager, snapshot
 from shoal.nn.remote_module import RemoteModule
 from shoal.optim.distributed import DistributedOptimizer
 from shoal.rpc import api as rpc
@@ -142,6 +142,23 @@ def _wait_all(futures: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+class _InMemory:
+    """The store of `ModelParallelCheckpoint.in_memory()`: the newest save, in this process."""
+
+    def __init__(self) -> None:
+        self._newest: Checkpoint | None = None
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        # The owners' copies are this state's own; `extra` is the caller's, which later steps change.
+        self._newest = Checkpoint(step, {**state, "extra": snapshot(state["extra"])}, "memory")
+
+    def load_latest(self) -> Checkpoint | None:
+        return self._newest
+
+    def wait(self) -> None:
+        """Saves are synchronous: nothing is left to wait for."""
+
+
 class ModelParallelCheckpoint:
     """Saves and restores the modules of a model-parallel job, wherever they live, and the state of
     its DistributedOptimizers. One worker calls `save` and `load_latest`, at a point between steps
@@ -151,6 +168,14 @@ class ModelParallelCheckpoint:
     def __init__(self, directory: str | os.PathLike, keep: int = 3, async_save: bool = False) -> None:
         self._store = CheckpointManager(directory, keep=keep, async_save=async_save, rank=0)
         self._loaded: Checkpoint | None = None
+
+    @classmethod
+    def in_memory(cls) -> ModelParallelCheckpoint:
+        """One that keeps its newest save in this process's memory, not on disk: a replica of the
+        modules for a worker that holds none of them (a pipeline's driver), taken after every step."""
+        memory = cls.__new__(cls)
+        memory._store, memory._loaded = _InMemory(), None
+        return memory
 
     def save(self, step: int, modules: Modules, optimizer: Optimizers = None, *,
              extra: dict[str, Any] | None = None) -> None:

@@ -44,14 +44,27 @@ class RemoteModule(nn.Module):
     `forward(x)` (or calling it) runs it there and returns the output, `forward_async(x)` returns a
     Future of it. `remote_parameters()` gives RRefs for a DistributedOptimizer and
     `get_module_rref()` the module itself. It holds no parameters locally, so the methods that
-    would act on local parameters or move the module raise instead of silently doing nothing."""
+    would act on local parameters or move the module raise instead of silently doing nothing.
+    `rebuild_on(worker)` builds it again elsewhere (its owner lost), and this RemoteModule calls
+    that one from then on (copies of it sent to other workers before do not follow)."""
 
     def __init__(self, remote_device: str, module_cls: type[nn.Module], args: tuple | None = None,
                  kwargs: dict[str, Any] | None = None) -> None:
         super().__init__()
+        self._built_by = (module_cls, tuple(args or ()), kwargs or {})
         self.on, self.device = _parse_remote_device(remote_device)
-        self.module_rref: RRef = rpc.remote(self.on, _instantiate, args=(module_cls, tuple(args or ()), kwargs or {}))
-        self.module_rref.confirmed().wait()  # the constructor's error, if any, belongs here
+        self.module_rref: RRef = self._build(self.on)
+
+    def _build(self, on: str | int) -> RRef:
+        module_rref = rpc.remote(on, _instantiate, args=self._built_by)
+        module_rref.confirmed().wait()  # the constructor's error, if any, belongs here
+        return module_rref
+
+    def rebuild_on(self, worker: str | int) -> None:
+        """Build the module again on `worker`, as its constructor makes it (its state is the caller's
+        to restore), and call that one from now on. For a module whose owner is lost: the old one is
+        not copied, and the old RRef is dropped."""
+        self.module_rref, self.on = self._build(worker), worker
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return rpc.rpc_sync(self.on, _forward, args=(self.module_rref, args, kwargs))

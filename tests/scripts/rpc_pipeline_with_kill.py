@@ -3,10 +3,12 @@ itself as soon as the master's checkpoint after epoch 0 is on disk (in `--checkp
 example also reads), so the job loses it in epoch 1; every other argument goes to the example.
 
     shoal run --nproc-per-node 3 --max-restarts 1 tests/scripts/rpc_pipeline_with_kill.py --kill 2 --checkpoint-dir ckpt
+    shoal run --live --nproc-per-node 4 tests/scripts/rpc_pipeline_with_kill.py --kill 2 --checkpoint-dir ckpt --live
 """
 
 import argparse
 import os
+import re
 import runpy
 import signal
 import sys
@@ -20,7 +22,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rpc_pipeline.py"
 
 
 def _kill_after_epoch_0(manifest: Path) -> None:
-    while not (manifest.exists() and '"step": 1,' in manifest.read_text()):
+    """Once the manifest lists a checkpoint after step 0 (the first is of the state before any step)."""
+    while not (manifest.exists() and re.search(r'"step": [1-9]', manifest.read_text())):
         time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
 
