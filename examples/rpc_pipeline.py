@@ -82,9 +82,6 @@ class PipelinedModel(nn.Module):
     def parameter_rrefs(self) -> list[rpc.RRef]:
         return [rref for shard in self.shards.values() for rref in shard.remote_parameters()]
 
-    def placement(self) -> dict[str, str]:
-        return {key: shard.get_module_rref().owner_name() for key, shard in self.shards.items()}
-
 
 def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
     with torch.no_grad():
@@ -186,6 +183,7 @@ def train(args: argparse.Namespace, shards: int) -> None:
 
 
 def resumed(step: int, training: Training) -> int:
+    """`step`, the step a job goes on from, said when it is not the first."""
     if step > 0:
         print(f"resuming from step {step}: epoch {step // training.steps_per_epoch}", flush=True)
     return step

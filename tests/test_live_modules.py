@@ -1,8 +1,8 @@
-"""LiveModules between real workers: a driver trains three RemoteModule stages (on w1, w2, w1; w3
-holds none) with SGD and momentum; w2, the middle stage's worker, SIGKILLs itself inside its forward
-of a step. The stage is built again on w3, every stage and the momentum are put back as the
-replica (or the checkpoint) has them, and the driver trains on in the same process to the
-parameters of a run that lost nothing (float64)."""
+"""LiveModules between real workers: a driver trains three RemoteModule stages (on w1, w2, w1; w3,
+added as a host, holds none) with SGD and momentum; w2, the middle stage's worker, SIGKILLs itself
+inside its forward of a step, or inside its optimizer's step. The stage is built again on w3, every
+stage and the momentum are put back as the replica (or the checkpoint) has them, and the driver
+trains on in the same process to the parameters of a run that lost nothing (float64)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,20 @@ class Stage(nn.Module):
         return torch.tanh(self.linear(x))
 
 
+class DyingSGD(torch.optim.SGD):
+    """SGD whose process, on w2, dies in its step number `die_at` (before it changes anything)."""
+
+    def __init__(self, params: list, die_at: int, **kwargs: float) -> None:
+        super().__init__(params, **kwargs)
+        self.die_at, self.steps = die_at, 0
+
+    def step(self, closure: None = None) -> None:
+        if rpc.get_worker_info().name == "w2" and self.steps == self.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.steps += 1
+        super().step(closure)
+
+
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(step)
     return (torch.randn(8, WIDTHS[0], generator=generator, dtype=torch.float64),
@@ -86,16 +100,22 @@ def _trained(live: LiveModules) -> list[torch.Tensor]:
     return [rref.to_here() for module in live.modules.values() for rref in module.remote_parameters()]
 
 
-def _driver(rank: int, world: int, die_at: int, directory: str | None) -> tuple | None:
+def _driver(rank: int, world: int, die_at: int, directory: str | None, in_step: bool = False) -> tuple | None:
+    """w2 dies in its forward of step `die_at`, or with `in_step`, in its optimizer's step of it."""
     if rank != 0:
         return None
     with pytest.raises(ValueError, match="needs replica=True or checkpoints"):
         LiveModules({"first": RemoteModule("w1/cpu", Stage, args=(0, -1))}, _sgd)
-    modules = {key: RemoteModule(f"{worker}/cpu", Stage, args=(index, die_at))
+    modules = {key: RemoteModule(f"{worker}/cpu", Stage, args=(index, -1 if in_step else die_at))
                for index, (key, worker) in enumerate(PLACEMENT.items())}
     checkpoints = ModelParallelCheckpoint(directory) if directory else None
-    live = LiveModules(modules, _sgd, replica=checkpoints is None, checkpoints=checkpoints, every=4,
-                       hosts=["w1", "w2", "w3"])
+    optimizer = (lambda params: DistributedOptimizer(DyingSGD, params, die_at, lr=0.1, momentum=0.9)) if in_step \
+        else _sgd
+    live = LiveModules(modules, optimizer, replica=checkpoints is None, checkpoints=checkpoints, every=4,
+                       hosts=["w1", "w2"])
+    with pytest.raises(ValueError, match="no worker is named 'w9'"):
+        live.add_host("w9")
+    live.add_host("w3")  # a spare (or a replacement that joined): the first choice
     _train(live)
     with pytest.raises(ZeroDivisionError):  # an error no loss caused is the caller's
         live.run(lambda context_id, step: 1 / 0)
@@ -111,6 +131,15 @@ def test_a_lost_middle_stage_is_built_again_and_training_goes_on(source: str, tm
     expected = (6, "memory") if source == "replica" else (4, str(tmp_path / "step-0000000004.pt"))
     assert recoveries == [Recovery(["w2"], {"second": "w3"}, *expected)]
     assert placed == ["w1", "w3", "w1"]
+    for got, want in zip(trained, _fault_free(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_loss_inside_the_optimizers_step_restores_the_steps_applied_elsewhere() -> None:
+    """w2 dies in its optimizer's step of step 3, after w1 may have applied its own: the replica of
+    step 3 puts w1's stages back too, and the step is run again."""
+    recoveries, trained, _ = run_rpc_ranks(_driver, 4, 3, None, True, timeout=120, expect={2: "dies"})[0]
+    assert recoveries == [Recovery(["w2"], {"second": "w3"}, 3, "memory")]
     for got, want in zip(trained, _fault_free(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 

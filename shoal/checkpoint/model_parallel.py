@@ -54,6 +54,14 @@ def _copy_state(modules: dict[str, RRef], optimizers: list[RRef], with_modules: 
     return states, dict(optimizer_state)
 
 
+def _step_and_copy(modules: dict[str, RRef], optimizers: list[RRef], context_id: int) -> tuple[dict, dict]:
+    """Runs on the owner of `modules` and `optimizers`: their step with the gradients of `context_id`,
+    then `_copy_state` of what it left."""
+    for local in optimizers:
+        local.local_value().step(context_id)
+    return _copy_state(modules, optimizers, True)
+
+
 def _restore_state(modules: dict[str, RRef], states: dict[str, dict], optimizers: list[RRef],
                    optimizer_state: dict[str, dict] | None, named: dict[str, RRef]) -> None:
     """Runs on the owner of `modules`, `optimizers` and `named` (the modules whose parameters the
@@ -105,11 +113,16 @@ def call_on(owner: str, fn: Any, args: tuple) -> torch.futures.Future:
     return done
 
 
-def _gather(modules: Modules, optimizer: DistributedOptimizer | None) -> tuple[dict, dict]:
-    """Every owner's copy of its modules' state (with no `optimizer`), or of `optimizer`'s state
-    there, by the names of its parameters in `modules`."""
-    futures = {owner: call_on(owner, _copy_state, (owned, optimizers, optimizer is None))
-               for owner, (owned, optimizers) in _by_owner(modules, optimizer).items()}
+def _gather(modules: Modules, optimizer: DistributedOptimizer | None, with_modules: bool,
+            context_id: int | None = None) -> tuple[dict, dict]:
+    """Every owner's copy of `optimizer`'s state there (if any), by the names of its parameters in
+    `modules`, and of its modules' state too if `with_modules`: one call to each owner. With a
+    `context_id`, each owner first steps `optimizer` with that context's gradients, on its RPC
+    threads as DistributedOptimizer.step does."""
+    placement = _by_owner(modules, optimizer)
+    futures = {owner: call_on(owner, _copy_state, (owned, optimizers, with_modules)) if context_id is None else
+               rpc.rpc_async(owner, _step_and_copy, args=(owned, optimizers, context_id))
+               for owner, (owned, optimizers) in placement.items()}
     module_state, optimizer_state = {}, {}
     for states, by_name in _wait_all(futures).values():
         module_state.update(states)
@@ -183,10 +196,22 @@ class ModelParallelCheckpoint:
         every owner (or each optimizer's, given as {key: optimizer}), and `extra` (this worker's own
         state: the data's position, RNG) as of `step`. Every parameter an optimizer steps must belong
         to one of `modules`. With async_save, returns once every owner's copy has arrived."""
-        module_state, optimizer_states = _gather(modules, None)[0], {}
-        for key, each in _keyed(optimizer).items():
-            optimizer_states[key] = _gather(modules, each)[1]
+        keyed = list(_keyed(optimizer).items())
+        first = keyed[0] if keyed else (None, None)
+        module_state, by_name = _gather(modules, first[1], with_modules=True)  # with the first optimizer's
+        optimizer_states = {first[0]: by_name} if keyed else {}
+        for key, each in keyed[1:]:
+            optimizer_states[key] = _gather(modules, each, with_modules=False)[1]
         self._store.save(step, {"modules": module_state, "optimizers": optimizer_states, "extra": extra or {}})
+
+    def step_and_save(self, step: int, modules: Modules, optimizer: DistributedOptimizer, context_id: int, *,
+                      extra: dict[str, Any] | None = None) -> None:
+        """`optimizer.step(context_id)`, then `save(step, modules, optimizer, extra=extra)`, in one call
+        to each owner (the state copied right after its step there): what a replica taken after every
+        step costs is then mostly the copy. An owner whose step failed raises, once all have answered;
+        the others' steps are applied and nothing is saved."""
+        module_state, by_name = _gather(modules, optimizer, with_modules=True, context_id=context_id)
+        self._store.save(step, {"modules": module_state, "optimizers": {_ONE: by_name}, "extra": extra or {}})
 
     def load_latest(self, modules: Modules, optimizer: Optimizers = None, *,
                     accept: Callable[[Checkpoint], None] | None = None) -> Checkpoint | None:

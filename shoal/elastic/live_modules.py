@@ -85,9 +85,10 @@ class LiveModules:
         latest = checkpoints.latest() if checkpoints is not None else None
         if latest is not None:
             self._restore(checkpoints, latest)
-        # so that a loss in the first step finds what to restore
-        self._save(self.step, checkpoint=checkpoints is not None and latest is None)
-
+        if self._replica is not None:  # so that a loss in the first step finds what to restore
+            self._replica.save(self.step, self.modules, self.optimizer, extra=self._extra_state())
+        if checkpoints is not None and latest is None:
+            checkpoints.save(self.step, self.modules, self.optimizer, extra=self._extra_state())
 
     def add_host(self, worker: str) -> None:
         """Let modules be built again on `worker` too (a replacement that joined the job): a host with
@@ -115,24 +116,22 @@ class LiveModules:
     # ---- steps and recovery -------------------------------------------------------------------------
 
     def _step(self, train_step: Callable[[int, int], Any]) -> Any:
+        """One step, committed: its state replicated (with the optimizer's step, one call to each owner)
+        and checkpointed when one is due."""
+        step = self.step + 1
         with dist_autograd.context() as context_id:
             result = train_step(context_id, self.step)
-            self.optimizer.step(context_id)
-        self._commit()
+            if self._replica is not None:
+                self._replica.step_and_save(step, self.modules, self.optimizer, context_id, extra=self._extra_state())
+            else:
+                self.optimizer.step(context_id)
+        if self._checkpoints is not None and step % self._every == 0:
+            self._checkpoints.save(step, self.modules, self.optimizer, extra=self._extra_state())
+        self.step = step
         return result
 
-    def _commit(self) -> None:
-        step = self.step + 1
-        self._save(step, checkpoint=self._checkpoints is not None and step % self._every == 0)
-        self.step = step
-
-    def _save(self, step: int, checkpoint: bool) -> None:
-        """Replicate the state as of `step`, and checkpoint it too if `checkpoint`."""
-        extra = {key: value.state_dict() for key, value in self._extra.items()}
-        if self._replica is not None:
-            self._replica.save(step, self.modules, self.optimizer, extra=extra)
-        if checkpoint:
-            self._checkpoints.save(step, self.modules, self.optimizer, extra=extra)
+    def _extra_state(self) -> dict[str, Any]:
+        return {key: value.state_dict() for key, value in self._extra.items()}
 
     def _recover(self, error: Exception) -> None:
         """Build the modules of lost owners again and restore the newest state, once more for each
