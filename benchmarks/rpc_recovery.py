@@ -13,6 +13,12 @@ itself between its backward and its step, at a step drawn at random, once per tr
   (`replicas=1`), from which trainer1 makes it again: nothing that was applied is lost.
 - replication-cost: no worker dies; the job with `replicas=1` and without, in turns. Reported: the
   time per step of each (median of the runs), and what the replica adds to a step.
+- shoal-stage: a pipeline instead (benchmarks/stage_recovery_job.py): a driver trains three
+  RemoteModule stages through LiveModules with a replica; the middle stage's worker dies in its
+  forward. Reported: from the death to the first step committed after it, and to the step it died
+  in committed. shoal-stage-checkpoint: the same from a checkpoint every 5 steps (no replica).
+- stage-replication-cost: that pipeline without faults, through LiveModules with a replica and
+  through a plain loop, in turns.
 - torch (torchrun --max-restarts 1, torch.distributed.rpc): torch's RPC has no recovery; torchrun
   starts the whole job again. Reported: whether it finished, and from the death to the first step
   applied after the restart (which starts again from step 0).
@@ -32,6 +38,7 @@ import tempfile
 from pathlib import Path
 
 JOB = Path(__file__).resolve().parent / "rpc_recovery_job.py"
+STAGE_JOB = Path(__file__).resolve().parent / "stage_recovery_job.py"
 STEPS = 40
 COST_STEPS = 200  # of the runs without faults, so that a run's start and noise weigh less
 
@@ -40,10 +47,14 @@ def _run(impl: str, kill_at: int, timeout: float, steps: int = STEPS) -> str | N
     """The job of `impl`, one worker killed at `kill_at` (none if -1): its output, or None if it did not finish."""
     launcher = (["-m", "torch.distributed.run", "--max-restarts", "1"] if impl == "torch" else
                 ["-m", "shoal.run", "--live"])
-    command = [sys.executable, *launcher, "--nproc-per-node", "4", str(JOB), "--impl", impl.split("-")[0],
-               "--steps", str(steps), "--kill-at", str(kill_at)]
+    job = ([str(STAGE_JOB), "--source", impl.removeprefix("shoal-stage").removeprefix("-") or "replica"]
+           if impl.startswith("shoal-stage") else [str(JOB), "--impl", impl.split("-")[0]])
+    command = [sys.executable, *launcher, "--nproc-per-node", "4", *job, "--steps", str(steps),
+               "--kill-at", str(kill_at)]
     with tempfile.TemporaryDirectory() as directory:
-        if impl == "shoal-server":
+        if impl == "shoal-stage-checkpoint":
+            command += ["--checkpoint-dir", directory]
+        elif impl == "shoal-server":
             command += ["--victim", "server", "--checkpoint-dir", directory]
         elif impl == "shoal-replica":
             command += ["--victim", "server", "--replicas", "1"]
@@ -88,7 +99,10 @@ def trial(impl: str, timeout: float) -> tuple[float, float] | None:
     if (out := _run(impl, kill_at, timeout)) is None:
         return None
     death = float(re.search(r"death (\d+\.\d{6})", out).group(1))
-    if impl == "shoal":  # the step goes on without the lost trainer; its batch is taken in the next one
+    if impl.startswith("shoal-stage"):  # the step it died in is redone (from a checkpoint, after those before)
+        first = _applied(out, death, range(STEPS))
+        redone = _applied(out, death, range(kill_at, kill_at + 1))
+    elif impl == "shoal":  # the step goes on without the lost trainer; its batch is taken in the next one
         first = _applied(out, death, range(kill_at, kill_at + 1))
         redone = _applied(out, death, range(kill_at + 1, STEPS))
     elif impl in ("shoal-server", "shoal-replica"):  # any step first, then the one it died after
@@ -101,9 +115,9 @@ def trial(impl: str, timeout: float) -> tuple[float, float] | None:
     return first - death, redone - death
 
 
-def step_time(replicas: int, timeout: float) -> float | None:
-    """Seconds per step of a run without faults, with `replicas`: from the first step applied to the last."""
-    if (out := _run(f"shoal-replicas-{replicas}", -1, timeout, COST_STEPS)) is None:
+def step_time(impl: str, timeout: float) -> float | None:
+    """Seconds per step of a run of `impl` without faults: from the first step applied to the last."""
+    if (out := _run(impl, -1, timeout, COST_STEPS)) is None:
         return None
     applied: dict[int, float] = {}
     for step, t in re.findall(r"applied (\d+) (\d+\.\d{6})", out):
@@ -111,33 +125,40 @@ def step_time(replicas: int, timeout: float) -> float | None:
     return (applied[COST_STEPS - 1] - applied[0]) / (COST_STEPS - 1)
 
 
-def replication_cost(trials: int, timeout: float) -> None:
-    runs: dict[int, list[float]] = {0: [], 1: []}
+def replication_cost(trials: int, timeout: float, stages: bool) -> None:
+    """The time per step with a replica and without, `trials` runs of each in turns: of the parameter
+    server (TrainerSteps, replicas=1 or 0), or with `stages`, of the pipeline (LiveModules or none)."""
+    impls = ["shoal-stage-none", "shoal-stage-replica"] if stages else ["shoal-replicas-0", "shoal-replicas-1"]
+    runs: dict[str, list[float]] = {impl: [] for impl in impls}
     for _ in range(trials):
-        for replicas in runs:
-            if (seconds := step_time(replicas, timeout)) is not None:
-                runs[replicas].append(seconds)
+        for impl in impls:
+            if (seconds := step_time(impl, timeout)) is not None:
+                runs[impl].append(seconds)
+    label = "shoal, LiveModules (pipeline)" if stages else "shoal, TrainerSteps"
     if not all(runs.values()):
-        print("| replication cost | - | - | - | (failed) |")
+        print(f"| {label} | - | - | - | (failed) |")
         return
-    without, with_replica = (statistics.median(runs[r]) for r in (0, 1))
-    print(f"\n| time per step, {COST_STEPS} steps | no replica | replicas=1 | added | every run, ms (none; one) |\n"
-          f"|---|---|---|---|---|\n| shoal, TrainerSteps | {without * 1e3:.2f} ms | {with_replica * 1e3:.2f} ms | "
-          f"{(with_replica / without - 1) * 100:+.1f}% | {', '.join(f'{t * 1e3:.1f}' for t in runs[0])}; "
-          f"{', '.join(f'{t * 1e3:.1f}' for t in runs[1])} |", flush=True)
+    without, with_replica = (statistics.median(runs[impl]) for impl in impls)
+    print(f"\n| time per step, {COST_STEPS} steps | no replica | a replica | added | every run, ms (none; one) |\n"
+          f"|---|---|---|---|---|\n| {label} | {without * 1e3:.2f} ms | {with_replica * 1e3:.2f} ms | "
+          f"{(with_replica / without - 1) * 100:+.1f}% | {', '.join(f'{t * 1e3:.1f}' for t in runs[impls[0]])}; "
+          f"{', '.join(f'{t * 1e3:.1f}' for t in runs[impls[1]])} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=120, help="seconds after which a trial counts as failed")
-    parser.add_argument("--only", choices=["shoal", "shoal-server", "shoal-replica", "torch", "replication-cost"],
-                        help="run one case only")
+    parser.add_argument("--only", choices=["shoal", "shoal-server", "shoal-replica", "shoal-stage",
+                                           "shoal-stage-checkpoint", "torch", "replication-cost",
+                                           "stage-replication-cost"], help="run one case only")
     args = parser.parse_args(argv)
     cases = [(impl, label) for impl, label in (
         ("shoal", "shoal run --live, TrainerSteps"),
         ("shoal-server", "shoal run --live, the server lost, made again from its checkpoint"),
         ("shoal-replica", "shoal run --live, the server lost, made again from its replica"),
+        ("shoal-stage", "shoal run --live, a pipeline's middle stage lost, built again from the replica (LiveModules)"),
+        ("shoal-stage-checkpoint", "shoal run --live, a pipeline's middle stage lost, built again from its checkpoint"),
         ("torch", "torchrun --max-restarts 1, torch.distributed.rpc")) if args.only in (None, impl)]
     if cases:
         print("| lost worker | recovered | median death to next step applied | median death to the lost step applied | "
@@ -150,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {label} | {len(ok)} of {len(results)} | {first} | {redone} | "
               f"{', '.join(f'{r[0]:.3f}' for r in ok)} |", flush=True)
     if args.only in (None, "replication-cost"):
-        replication_cost(args.trials, args.timeout)
+        replication_cost(args.trials, args.timeout, stages=False)
+    if args.only in (None, "stage-replication-cost"):
+        replication_cost(args.trials, args.timeout, stages=True)
 
 
 if __name__ == "__main__":
