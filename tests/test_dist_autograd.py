@@ -341,6 +341,50 @@ def test_a_worker_dying_mid_backward_is_raised_as_peer_failure_naming_it() -> No
     assert out[0] == {"failed_rank": 1, "alive": [0, 0]}
 
 
+_in_backward, _released = threading.Event(), threading.Event()
+
+
+class WaitsInBackward(torch.autograd.Function):
+    """Doubles; its backward waits until `_released` (the test has lost a peer meanwhile)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        _in_backward.set()
+        assert _released.wait(timeout=30)
+        return grad * 2
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _local_backward_while_a_peer_dies(rank: int, world: int) -> list[float] | None:
+    """w0 runs a backward that touches no other worker; w1 dies during it, and w0 hears of it."""
+    if rank == 1:
+        return None  # serves, until w0 asks it to die
+    rpc.api.current_agent().on_worker_lost(lambda worker: _released.set())  # after the backwards are told
+
+    def kill_w1() -> None:
+        assert _in_backward.wait(timeout=30)
+        rpc.rpc_async("w1", _kill_self)  # answered by its death
+
+    threading.Thread(target=kill_w1, daemon=True).start()
+    x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [WaitsInBackward.apply(x).sum()])
+        return dist_autograd.get_gradients(cid)[x].tolist()
+
+
+def test_a_backward_that_touches_no_other_worker_outlives_a_peers_death() -> None:
+    """Only backwards whose context reached other workers can depend on the dead one."""
+    out = run_rpc_ranks(_local_backward_while_a_peer_dies, 2, timeout=60, expect={1: "dies"})
+    assert out[0] == [2.0, 2.0, 2.0]
+
+
 def remember_originator(pid: int) -> None:
     _originator_pid.append(pid)
 

@@ -5,6 +5,7 @@ restores it into a model of its own: both train on to the same parameters (float
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -16,16 +17,22 @@ from torch import nn
 from shoal import autograd as dist_autograd
 from shoal import rpc
 from shoal.checkpoint import ModelReplicas, ReplicaLost
+from shoal.errors import PeerFailure
 from shoal.optim import DistributedOptimizer
 from tests.ranks import run_rpc_ranks
 from tests.waiting import wait_until
 
 NAME = "model"
 _found = threading.Event()  # on w1: the owner has found the newest replica (w1's), so w1 may restore it
+_saved = threading.Event()  # on w2: the owner's first save has returned (w2 answered it), so w2 may die
 
 
 def _owner_found_it() -> None:
     _found.set()
+
+
+def _owner_saved() -> None:
+    _saved.set()
 
 
 def _model(seed: int) -> nn.Module:
@@ -45,8 +52,8 @@ def _step(model: nn.Module, optimizer: DistributedOptimizer, seed: int) -> None:
 
 def _worker(rank: int, world: int) -> list[torch.Tensor] | None:
     name = rpc.get_worker_info().name
-    if name == "w2":  # dies once it holds the first replica
-        wait_until(lambda: ModelReplicas(NAME).held_step() == 2, "w2 holds the first replica", timeout=30)
+    if name == "w2":  # dies once it holds the first replica, and the owner has heard so
+        assert _saved.wait(timeout=30) and ModelReplicas(NAME).held_step() == 2
         os.kill(os.getpid(), signal.SIGKILL)
     model = _model(seed=0 if name == "w0" else 1)
     optimizer = DistributedOptimizer(torch.optim.Adam, [rpc.RRef(p) for p in model.parameters()], lr=0.05)
@@ -57,6 +64,8 @@ def _worker(rank: int, world: int) -> list[torch.Tensor] | None:
         for seed in range(2):
             _step(model, optimizer, seed)
         replicas.save(2, {"model": rpc.RRef(model)}, optimizer, extra={"epoch": 0})
+        with contextlib.suppress(PeerFailure):  # w2 dies once told, maybe before its answer is sent
+            rpc.rpc_sync("w2", _owner_saved)
         wait_until(lambda: rpc.get_worker_info("w2") in rpc.lost_workers(), "w2 is lost", timeout=30)
         _step(model, optimizer, 2)
         with pytest.raises(ReplicaLost, match="could not be kept on w2") as lost:

@@ -36,9 +36,10 @@ Completion = tuple[int, int]  # (originator's rank, its backward's number): wher
 
 
 class _Backward:
-    """A distributed backward this worker started: the weight back so far, and the first error."""
+    """A distributed backward this worker started in `context`: the weight back so far, and the first error."""
 
-    def __init__(self) -> None:
+    def __init__(self, context: Context) -> None:
+        self.context = context
         self.lock = threading.Lock()
         self.returned = Fraction(0)
         self.error: BaseException | None = None
@@ -76,7 +77,7 @@ def backward(context: Context, roots: Sequence[torch.Tensor], retain_graph: bool
     on an engine thread: in a process forked after its parent ran a parallel torch op, OpenMP's threads
     for the main thread are the parent's, which the child lacks, and a parallel op there waits for them
     for good; a thread started in the child gets threads of its own."""
-    number, record = next(_numbers), _Backward()
+    number, record = next(_numbers), _Backward(context)
     with _running_lock:
         _running[number] = record
     try:
@@ -104,10 +105,11 @@ def backward(context: Context, roots: Sequence[torch.Tensor], retain_graph: bool
 
 
 def _fail_running(rank: int) -> None:
-    """A worker died: no backward started here can be sure of finishing (its part may have been
-    there), so each fails now, naming it, rather than at its deadline."""
+    """A worker died: no backward started here that reaches other workers can be sure of finishing
+    (its part may have been there, or passed on there), so each fails now, naming it, rather than at
+    its deadline. One whose context has touched no other worker runs here alone, and goes on."""
     with _running_lock:
-        records = list(_running.values())
+        records = [record for record in _running.values() if record.context.workers()]
     if records:
         error = PeerFailure(rank, f"worker {current_agent().worker(rank).name!r} died during a distributed backward")
         for record in records:
