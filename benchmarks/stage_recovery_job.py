@@ -34,6 +34,8 @@ _forwards = [0]  # on rank 2: the forwards its stage has run
 
 
 class Stage(nn.Module):
+    """Layers [start, stop) of the model; on rank 2, the process dies in its forward of step `kill_at`."""
+
     def __init__(self, start: int, stop: int, kill_at: int) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -88,6 +90,8 @@ if __name__ == "__main__":
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--every", type=int, default=5)
     args = parser.parse_args()
+    if args.source == "checkpoint" and not args.checkpoint_dir:
+        parser.error("--source checkpoint needs --checkpoint-dir")
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))

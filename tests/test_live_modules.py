@@ -136,8 +136,8 @@ def test_a_lost_middle_stage_is_built_again_and_training_goes_on(source: str, tm
 
 
 def test_a_loss_inside_the_optimizers_step_restores_the_steps_applied_elsewhere() -> None:
-    """w2 dies in its optimizer's step of step 3, after w1 may have applied its own: the replica of
-    step 3 puts w1's stages back too, and the step is run again."""
+    """w2 dies in its optimizer's step of step 3, after w1 has applied its own (the step's answer waits
+    for every owner): the replica of step 3 puts w1's stages back too, and the step is run again."""
     recoveries, trained, _ = run_rpc_ranks(_driver, 4, 3, None, True, timeout=120, expect={2: "dies"})[0]
     assert recoveries == [Recovery(["w2"], {"second": "w3"}, 3, "memory")]
     for got, want in zip(trained, _fault_free(), strict=True):

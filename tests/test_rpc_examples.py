@@ -110,8 +110,8 @@ def test_rpc_pipeline_that_loses_a_shard_resumes_from_its_checkpoint(tmp_path: P
 def test_rpc_pipeline_builds_its_lost_middle_shard_again_from_the_replica(tmp_path: Path) -> None:
     """Three shards, under --live: the middle one's worker dies in epoch 1, and nothing is restarted.
     The master builds that shard again on shard 1's worker and restores every shard, their momentum
-    and its unsplit model from its replica of the last step, newer than the checkpoint of epoch 0,
-    and redoes the step it was in."""
+    and its unsplit model from its replica of the last step (at least as new as the checkpoint of
+    epoch 0), and redoes the step it was in."""
     live = _run("tests/scripts/rpc_pipeline_with_kill.py", "--kill", "2", "--checkpoint-dir", str(tmp_path),
                 "--epochs", "3", "--live", launcher=("--live", "--nproc-per-node", "4"))
     assert "rank 2 was lost (signal 9)" in live.stderr and "restarting" not in live.stderr, live.stderr[-2000:]

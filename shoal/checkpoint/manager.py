@@ -112,9 +112,9 @@ class CheckpointManager:
             error, self._error = self._error, None
             raise RuntimeError(f"writing a checkpoint in the background failed: {error}") from error
 
-    def _write_in_background(self, step: int, snapshot: dict, per_rank: bool) -> None:
+    def _write_in_background(self, step: int, copied: dict, per_rank: bool) -> None:
         try:
-            self._write(step, snapshot, per_rank)
+            self._write(step, copied, per_rank)
         except BaseException as exc:  # kept for wait() / the next save(): never lost
             self._error = exc
 
@@ -129,10 +129,10 @@ class CheckpointManager:
         except json.JSONDecodeError as exc:
             raise ValueError(f"checkpoint manifest {manifest} is not valid JSON ({exc})") from None
 
-    def _write(self, step: int, snapshot: dict, per_rank: bool) -> None:
+    def _write(self, step: int, copied: dict, per_rank: bool) -> None:
         name = f"step-{step:010d}" + (f"-rank{self.rank}" if per_rank else "") + ".pt"
         buffer = io.BytesIO()
-        torch.save(snapshot, buffer)
+        torch.save(copied, buffer)
         data = buffer.getvalue()
         _write_atomic(self.directory / name, data)
         manifest = self._manifest(per_rank)

@@ -113,7 +113,7 @@ def call_on(owner: str, fn: Any, args: tuple) -> torch.futures.Future:
     return done
 
 
-def _gather(modules: Modules, optimizer: DistributedOptimizer | None, with_modules: bool,
+def _gather(modules: Modules, optimizer: DistributedOptimizer | None, *, with_modules: bool,
             context_id: int | None = None) -> tuple[dict, dict]:
     """Every owner's copy of `optimizer`'s state there (if any), by the names of its parameters in
     `modules`, and of its modules' state too if `with_modules`: one call to each owner. With a
@@ -182,11 +182,11 @@ class ModelParallelCheckpoint:
         self._store = CheckpointManager(directory, keep=keep, async_save=async_save, rank=0)
         self._loaded: Checkpoint | None = None
 
-    @classmethod
-    def in_memory(cls) -> ModelParallelCheckpoint:
+    @staticmethod
+    def in_memory() -> ModelParallelCheckpoint:
         """One that keeps its newest save in this process's memory, not on disk: a replica of the
         modules for a worker that holds none of them (a pipeline's driver), taken after every step."""
-        memory = cls.__new__(cls)
+        memory = object.__new__(ModelParallelCheckpoint)  # no directory: no __init__
         memory._store, memory._loaded = _InMemory(), None
         return memory
 

@@ -2,8 +2,8 @@
 stages, say), which outlive the workers they live on.
 
 The driver runs each step through `run`. When a step fails because the owner of some module was
-lost, the module is built again on a living host (a worker with none of the modules first, such as
-a replacement that joined), every module and the optimizer's state are put back as the newest
+lost, the module is built again on a living host (a worker with none of the modules first: a spare,
+or a replacement the driver added with `add_host`), every module and the optimizer's state are put back as the newest
 replica or checkpoint holds them, and the step is run again, in the same processes. The driver's
 RemoteModules are re-bound in place, so the code that calls them does not change.
 
@@ -21,6 +21,7 @@ last checkpoint, and `step` with it: the data a step trains on must follow from 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,8 @@ from shoal.optim.distributed import DistributedOptimizer
 from shoal.rpc import api as rpc
 from shoal.rpc.current import current_agent
 from shoal.rpc.rref import RRef
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ class LiveModules:
         """`train_step(context_id, step)` (the forward and backward of step `step`, in that distributed
         autograd context), then the optimizer's step; returns what `train_step` returned. If it fails
         because a module's owner was lost, recovers (see the module's doc) and runs the step the job
-        goes on from, until one is committed; any other error is raised."""
+        goes on from, until one is committed. Any other error is raised; one in the optimizer's step,
+        which some owners may have applied, after every module is put back as the newest source has it."""
         return self.call(self._step, train_step)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -117,17 +121,24 @@ class LiveModules:
 
     def _step(self, train_step: Callable[[int, int], Any]) -> Any:
         """One step, committed: its state replicated (with the optimizer's step, one call to each owner)
-        and checkpointed when one is due."""
+        and checkpointed when one is due. A loss during that checkpoint goes on from the replica, and
+        the checkpoint waits for the next one due."""
         step = self.step + 1
         with dist_autograd.context() as context_id:
             result = train_step(context_id, self.step)
-            if self._replica is not None:
-                self._replica.step_and_save(step, self.modules, self.optimizer, context_id, extra=self._extra_state())
-            else:
-                self.optimizer.step(context_id)
+            try:
+                if self._replica is not None:
+                    self._replica.step_and_save(step, self.modules, self.optimizer, context_id,
+                                                extra=self._extra_state())
+                else:
+                    self.optimizer.step(context_id)
+            except Exception:
+                if not self._lost_owners():  # applied on some owners only (one was slow): undo it, then raise
+                    self._restore(*reversed(self._newest()))
+                raise
+        self.step = step
         if self._checkpoints is not None and step % self._every == 0:
             self._checkpoints.save(step, self.modules, self.optimizer, extra=self._extra_state())
-        self.step = step
         return result
 
     def _extra_state(self) -> dict[str, Any]:
@@ -165,7 +176,7 @@ class LiveModules:
                 answer.wait()
             except PeerFailure:
                 lost.append(owner)
-            except Exception:  # slow but there: not a loss
+            except TimeoutError:  # slow but there: not a loss
                 continue
         return lost
 
@@ -181,11 +192,18 @@ class LiveModules:
         self.recoveries.append(Recovery(lost, moved, latest.step, str(latest.path)))
 
     def _newest(self) -> tuple[Checkpoint, ModelParallelCheckpoint]:
-        """The newest of the replica and the latest checkpoint (its write finished first)."""
+        """The newest of the replica and the latest checkpoint that verifies (once its write has
+        finished; a write that failed leaves an older one)."""
         if self._checkpoints is not None:
-            self._checkpoints.wait()
+            try:
+                self._checkpoints.wait()
+            except RuntimeError:
+                log.exception("LiveModules: a checkpoint's write failed; recovering from an older one or the replica")
         found = [(latest, source) for source in (self._replica, self._checkpoints)
                  if source is not None and (latest := source.latest()) is not None]
+        if not found:
+            raise RuntimeError("LiveModules: no checkpoint verifies (see the warnings), and there is no replica: "
+                               "nothing to build the lost modules again from")
         return max(found, key=lambda pair: pair[0].step)
 
     def _place(self) -> str:

@@ -51,7 +51,7 @@ class RemoteModule(nn.Module):
     def __init__(self, remote_device: str, module_cls: type[nn.Module], args: tuple | None = None,
                  kwargs: dict[str, Any] | None = None) -> None:
         super().__init__()
-        self._built_by = (module_cls, tuple(args or ()), kwargs or {})
+        self._built_by = (module_cls, tuple(args or ()), dict(kwargs or {}))  # as given now, for rebuild_on
         self.on, self.device = _parse_remote_device(remote_device)
         self.module_rref: RRef = self._build(self.on)
 
