@@ -2,10 +2,11 @@
 stages, say), which outlive the workers they live on.
 
 The driver runs each step through `run`. When a step fails because the owner of some module was
-lost, the module is built again on a living host (a worker with none of the modules first: a spare,
-or a replacement the driver added with `add_host`), every module and the optimizer's state are put back as the newest
-replica or checkpoint holds them, and the step is run again, in the same processes. The driver's
-RemoteModules are re-bound in place, so the code that calls them does not change.
+lost, the module is built again on a living host (a worker with none of the modules first: a
+spare, or a replacement the driver added with `add_host`), every module and the optimizer's state
+are put back as the newest replica or checkpoint holds them, and the step is run again, in the
+same processes. The driver's RemoteModules are re-bound in place, so the code that calls them
+does not change.
 
     live = LiveModules({"first": first, "second": second, "third": third},
                        optimizer=lambda params: DistributedOptimizer(torch.optim.SGD, params, lr=0.1),
@@ -134,7 +135,7 @@ class LiveModules:
                     self.optimizer.step(context_id)
             except Exception:
                 if not self._lost_owners():  # applied on some owners only (one was slow): undo it, then raise
-                    self._restore(*reversed(self._newest()))
+                    self._restore(*self._newest())
                 raise
         self.step = step
         if self._checkpoints is not None and step % self._every == 0:
@@ -181,7 +182,7 @@ class LiveModules:
         return lost
 
     def _rebuild(self, lost: list[str]) -> None:
-        latest, source = self._newest()
+        source, latest = self._newest()
         moved = {}
         for key, module in self.modules.items():
             if self._owner(module) in lost:
@@ -191,7 +192,7 @@ class LiveModules:
         self._restore(source, latest)
         self.recoveries.append(Recovery(lost, moved, latest.step, str(latest.path)))
 
-    def _newest(self) -> tuple[Checkpoint, ModelParallelCheckpoint]:
+    def _newest(self) -> tuple[ModelParallelCheckpoint, Checkpoint]:
         """The newest of the replica and the latest checkpoint that verifies (once its write has
         finished; a write that failed leaves an older one)."""
         if self._checkpoints is not None:
@@ -199,12 +200,12 @@ class LiveModules:
                 self._checkpoints.wait()
             except RuntimeError:
                 log.exception("LiveModules: a checkpoint's write failed; recovering from an older one or the replica")
-        found = [(latest, source) for source in (self._replica, self._checkpoints)
+        found = [(source, latest) for source in (self._replica, self._checkpoints)
                  if source is not None and (latest := source.latest()) is not None]
         if not found:
             raise RuntimeError("LiveModules: no checkpoint verifies (see the warnings), and there is no replica: "
                                "nothing to build the lost modules again from")
-        return max(found, key=lambda pair: pair[0].step)
+        return max(found, key=lambda pair: pair[1].step)
 
     def _place(self) -> str:
         """The living host with the fewest modules (the first such in `hosts`)."""
