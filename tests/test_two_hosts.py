@@ -1,6 +1,7 @@
 """Four ranks on two hosts (network namespaces joined by a veth pair, SHOAL_HOST_ID naming each
-namespace's host): ranks of a host share memory, and the hierarchical all-reduce and all-gather cross
-the cable with each host's share once, where a flat ring of four would cross it one and a half times.
+namespace's host): ranks of a host share memory, and the hierarchical all-reduce, all-gather and
+reduce-scatter cross the cable with each host's share once, where a flat ring of four would cross it one
+and a half times.
 
 Needs root and `ip netns` (the `two_hosts` fixture); skips elsewhere."""
 
@@ -37,8 +38,9 @@ def test_hierarchical_collectives_send_each_hosts_share_across_the_cable_once(
     assert all(all(r["right"].values()) and r["hosts"] == [[0, 1], [2, 3]] for r in results), results
     nbytes = NUMEL * 4
     # Each host's leader reads its end of the cable. An all-reduce must send the other host the whole tensor
-    # (its host's sums), an all-gather its host's half of the output: a flat ring sends 1.5x those.
-    for collective, share in (("all_reduce", 1.0), ("all_gather", 0.5)):
+    # (its host's sums), an all-gather its host's half of the output, a reduce-scatter its host's sums of the
+    # other host's half of the input: a flat ring sends 1.5x those.
+    for collective, share in (("all_reduce", 1.0), ("all_gather", 0.5), ("reduce_scatter", 0.5)):
         for leader in (0, 2):
             sent = results[leader]["sent"][collective] / (share * nbytes)
             assert 1.0 <= sent <= 1.2, f"{collective}: host {leader // 2} sent {sent:.2f}x its share across"

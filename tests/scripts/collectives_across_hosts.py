@@ -1,6 +1,6 @@
-"""One rank of a job on two hosts: all-reduce a large tensor, then all-gather one of the same size, check
-each result, and write to `result<rank>.json` the bytes our host's end of the cable sent during each (the
-other ranks of our host send across it only through us, its leader).
+"""One rank of a job on two hosts: all-reduce a large tensor, all-gather into one of the same size, and
+reduce-scatter one of the same size; check each result, and write to `result<rank>.json` the bytes our
+host's end of the cable sent during each (what every rank of our host sent across).
 
 Usage: collectives_across_hosts.py RANK WORLD MASTER_ADDR MASTER_PORT DEVICE NUMEL WORKDIR
 """
@@ -33,9 +33,14 @@ tensor = torch.full((numel,), float(rank + 1))
 reduced = sent_during(lambda: dist.all_reduce(tensor))
 blocks = [torch.empty(numel // world) for _ in range(world)]
 gathered = sent_during(lambda: dist.all_gather(blocks, torch.full((numel // world,), float(rank))))
+out = torch.empty(numel // world)
+inputs = [torch.full((numel // world,), float(rank * d)) for d in range(world)]
+scattered = sent_during(lambda: dist.reduce_scatter(out, inputs))
 right = {"all_reduce": bool((tensor == world * (world + 1) / 2).all()),
-         "all_gather": all(bool((block == r).all()) for r, block in enumerate(blocks))}
+         "all_gather": all(bool((block == r).all()) for r, block in enumerate(blocks)),
+         "reduce_scatter": bool((out == rank * world * (world - 1) / 2).all())}
 hosts = dist.default_group().hosts
 dist.destroy_process_group()
-(workdir / f"result{rank}.json").write_text(json.dumps({"sent": {"all_reduce": reduced, "all_gather": gathered},
+(workdir / f"result{rank}.json").write_text(json.dumps({"sent": {"all_reduce": reduced, "all_gather": gathered,
+                                                                 "reduce_scatter": scattered},
                                                         "right": right, "hosts": hosts}))

@@ -1,5 +1,6 @@
-"""The all-reduce and all-gather of a group whose ranks share some hosts and not others; only the first rank
-of each host (its leader) talks to other hosts, and each host's share crosses the network once.
+"""The all-reduce, all-gather and reduce-scatter of a group whose ranks share some hosts and not others:
+each host's share crosses the network once. In the all-reduce and all-gather only the first rank of each
+host (its leader) talks to other hosts; in the reduce-scatter every rank does, each with its own part.
 
 All-reduce: each host reduces in its arena (intrahost.py), the leaders all-reduce over the ring, and each
 host broadcasts the result in its arena. The tensor goes in pieces, so that while the network carries
@@ -60,9 +61,9 @@ def all_reduce(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: R
         ch.flush()  # our last sends may still read `flat`
 
 
-def gathers(placement: Placement) -> bool:
-    """Whether `all_gather` serves this group: hosts of one size (the leaders' rings carry one block per
-    host), several ranks each (fewer, and the flat ring is as good)."""
+def even(placement: Placement) -> bool:
+    """Whether `all_gather` and `reduce_scatter` serve this group: hosts of one size (the rings between
+    hosts carry one block per host), several ranks each (fewer, and the flat ring is as good)."""
     return len({len(host) for host in placement.hosts}) == 1 and len(placement.hosts[0]) > 1
 
 
@@ -82,3 +83,41 @@ def all_gather(ch: ring.Channel, placement: Placement, outs: list[torch.Tensor],
         if other != host:
             for rank in other:
                 intrahost.broadcast(arena, outs[rank], 0)
+
+
+def reduce_scatter(ch: ring.Channel, placement: Placement, out: torch.Tensor, blocks: list[torch.Tensor],
+                   op: ReduceOp, partials: torch.Tensor) -> None:
+    """Reduce-scatter (AVG is the caller's to divide): in its arena, each host reduces the blocks bound for
+    every host's j-th rank into its own j-th rank (`partials`: room for one block per host); the j-th
+    ranks of all hosts then run a ring reduce-scatter over those partial sums. Where a flat ring of four
+    crosses between two hosts with 3/4 of the input each way, this crosses with half, in one stream per
+    place in a host. It goes in pieces, the network carrying one while the hosts reduce the next, and runs
+    in the arena's care (see `all_reduce`)."""
+    arena, hosts = placement.arena, placement.hosts
+    place = next(h for h in hosts if ch.rank in h).index(ch.rank)
+    between = [host[place] for host in hosts]
+    partial = [partials[i * out.numel():(i + 1) * out.numel()] for i in range(len(hosts))]
+    count = max(1, math.ceil(len(hosts) * out.numel() * out.element_size() / PIECE_BYTES))
+    cuts = list(itertools.pairwise(ring.split(out.numel(), count)))
+
+    def reduce_within(a: int, b: int) -> None:
+        for host, into in zip(hosts, partial, strict=True):
+            intrahost.reduce_scatter(arena, into[a:b], [blocks[rank][a:b] for rank in host], op)
+
+    if count == 1:  # small: the ring's own choice (a direct exchange) and no pieces
+        reduce_within(0, out.numel())
+        ring.reduce_scatter(Subchannel(ch, between), out, partial, op)
+        return
+    span, share = ring.scatter_needs(len(hosts), out[:cuts[0][1]])  # the first piece is the largest
+    scratch = ch.scratch(_IN_FLIGHT * share)
+    receives: list[list] = []
+    for k in range(count + 1):
+        if k < count:
+            a, b = cuts[k]
+            reduce_within(a, b)
+            between_hosts = Subchannel(ch, between, k * span, scratch[k % _IN_FLIGHT * share:][:share])
+            receives.append(ring.start_reduce_scatter(between_hosts, out[a:b], [p[a:b] for p in partial], op))
+        if k > 0:
+            for handle in receives[k - 1]:
+                ch.wait(handle)
+    ch.flush()  # our last sends may still read `partials`

@@ -274,13 +274,28 @@ def reduce_scatter(ch: Channel, out: torch.Tensor, blocks: list[torch.Tensor], o
         out.copy_(blocks[me])
         exchange.finish(op)
         return
-    whole = torch.empty(0, dtype=out.dtype)  # the blocks stay where they are: only the geometry is needed
-    layout = _Layout(whole, [i * out.numel() for i in range(n + 1)])
     # An output over a block we send would be overwritten while the send (or its resend) still reads it.
     result = torch.empty_like(out) if any(_overlap(out, b) for k, b in enumerate(blocks) if k != me) else out
-    _wait_all(ch, _ring_reduce_scatter(ch, layout, op, kept=(blocks, result)))
+    _wait_all(ch, start_reduce_scatter(ch, result, blocks, op))
     ch.flush()
     finish_into(out, result, op, n)
+
+
+def _blocks_layout(n: int, out: torch.Tensor) -> _Layout:
+    """The geometry of a reduce-scatter into `out`: the blocks stay where they are."""
+    return _Layout(torch.empty(0, dtype=out.dtype), [i * out.numel() for i in range(n + 1)])
+
+
+def start_reduce_scatter(ch: Channel, out: torch.Tensor, blocks: list[torch.Tensor], op: ReduceOp) -> list:
+    """Start the ring reduce-scatter of `blocks` (none over `out`) into `out`; once the returned receives
+    are done, `out` holds the reduction, AVG not yet divided (our own sends may read the blocks until
+    `ch.flush()`). It uses `scatter_needs(ch.size, out)` frame numbers, from 0, and bytes of scratch."""
+    return _ring_reduce_scatter(ch, _blocks_layout(ch.size, out), op, kept=(blocks, out))
+
+
+def scatter_needs(n: int, out: torch.Tensor) -> tuple[int, int]:
+    """The frame numbers and the scratch bytes `start_reduce_scatter` into `out` over `n` ranks uses."""
+    return (n - 1) * _blocks_layout(n, out).chunks, (n - 1) * out.numel() * out.element_size()
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -2,8 +2,9 @@
 (intrahost.py) when they all share one host, the ring (ring.py) when no two do, and for an all-reduce in
 a group that does both, a hierarchy (hierarchy.py): each host reduces in shared memory, the first rank
 of each host runs the ring with the other hosts' first ranks, and each host broadcasts the result in
-shared memory; an all-gather likewise where the hosts have the same number of ranks. In such mixed groups
-the other collectives keep the ring, as do reduce, gather, scatter and all-to-all everywhere (`on_ring`).
+shared memory; an all-gather and a reduce-scatter likewise where the hosts have the same number of ranks.
+In such mixed groups the other collectives keep the ring, as do reduce, gather, scatter and all-to-all
+everywhere (`on_ring`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def path(name: str, placement: Placement | None, nbytes: int) -> str:
         return "local"
     if placement.shared and name in _IN_SHARED_MEMORY:
         return "shared memory"
-    if (name == "all_reduce" and not placement.apart) or (name == "all_gather" and hierarchy.gathers(placement)):
+    if (name == "all_reduce" and not placement.apart) or (
+            name in {"all_gather", "reduce_scatter"} and hierarchy.even(placement)):
         return "hierarchical"
     if name == "reduce_scatter":  # `nbytes` is its output; the ring decides by all of its input
         nbytes *= sum(len(host) for host in placement.hosts)
@@ -90,7 +92,7 @@ def broadcast(ch: OpChannel, placement: Placement, flat: torch.Tensor, root: int
 def all_gather(ch: OpChannel, placement: Placement, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
     if placement.shared:
         _in_arena(ch, placement, lambda: intrahost.all_gather(placement.arena, outs, mine))
-    elif hierarchy.gathers(placement):
+    elif hierarchy.even(placement):
         _in_arena(ch, placement, lambda: hierarchy.all_gather(ch, placement, outs, mine))
     else:
         on_ring(ch, placement, lambda: ring.all_gather(ch, outs, mine))
@@ -100,6 +102,11 @@ def reduce_scatter(ch: OpChannel, placement: Placement, out: torch.Tensor, block
                    op: ReduceOp) -> None:
     if placement.shared:
         _in_arena(ch, placement, lambda: intrahost.reduce_scatter(placement.arena, out, blocks, op))
+    elif hierarchy.even(placement):
+        partial = ReduceOp.SUM if op == ReduceOp.AVG else op  # divided once, by the whole group's size
+        partials = ch.packing(len(placement.hosts) * out.nbytes).view(out.dtype)
+        _in_arena(ch, placement, lambda: hierarchy.reduce_scatter(ch, placement, out, blocks, partial, partials))
+        finish_(out, op, ch.size)
     else:
         on_ring(ch, placement, lambda: ring.reduce_scatter(ch, out, blocks, op))
 
