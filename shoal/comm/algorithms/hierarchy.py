@@ -1,6 +1,6 @@
 """The all-reduce, all-gather and reduce-scatter of a group whose ranks share some hosts and not others:
-each host's share crosses the network once. In the all-reduce and all-gather only the first rank of each
-host (its leader) talks to other hosts; in the reduce-scatter every rank does, each with its own part.
+each host's share crosses the network once. In the all-reduce only the first rank of each host (its
+leader) talks to other hosts; in the all-gather and the reduce-scatter every rank does, with its own part.
 
 All-reduce: each host reduces in its arena (intrahost.py), the leaders all-reduce over the ring, and each
 host broadcasts the result in its arena. The tensor goes in pieces, so that while the network carries
@@ -68,21 +68,33 @@ def even(placement: Placement) -> bool:
 
 
 def all_gather(ch: ring.Channel, placement: Placement, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
-    """All-gather: each host gathers its own ranks' blocks in its arena; the leaders then run one ring
-    all-gather per place in a host (the blocks of every host's j-th rank), and each host broadcasts the
-    other hosts' blocks in its arena. Runs in the arena's care (see `all_reduce`). Where a flat ring
-    crosses between two hosts with 3/4 of the output each way (n = 4), this crosses with half."""
-    arena, hosts, leaders = placement.arena, placement.hosts, placement.leaders
-    host = next(h for h in hosts if ch.rank in h)
-    intrahost.all_gather(arena, [outs[r] for r in host], mine)
-    if ch.rank == host[0]:
-        span = ring.gather_frames(len(leaders), mine)
-        for j, rank in enumerate(host):
-            ring.all_gather(Subchannel(ch, leaders, j * span), [outs[h[j]] for h in hosts], outs[rank])
-    for other in hosts:
-        if other != host:
-            for rank in other:
-                intrahost.broadcast(arena, outs[rank], 0)
+    """All-gather: the j-th ranks of all hosts run a ring all-gather of their blocks, and each host then
+    gathers, in its arena, what its ranks received. Where a flat ring of four crosses between two hosts
+    with 3/4 of the output each way, this crosses with half, in one stream per place in a host. It goes
+    in pieces, the hosts gathering one while the network carries the next, and runs in the arena's care
+    (see `all_reduce`)."""
+    arena, hosts = placement.arena, placement.hosts
+    place = next(h for h in hosts if ch.rank in h).index(ch.rank)
+    if outs[ch.rank].data_ptr() != mine.data_ptr():  # FSDP2 gathers from its place in the output itself
+        outs[ch.rank].copy_(mine)
+    between = [host[place] for host in hosts]
+    count = max(1, math.ceil(len(hosts) * mine.numel() * mine.element_size() / PIECE_BYTES))
+    cuts = list(itertools.pairwise(ring.split(mine.numel(), count)))
+    span = ring.gather_frames(len(hosts), mine[:cuts[0][1]])  # the first piece is the largest
+    receives: list[list] = []
+    for k in range(count + 1):
+        if k < count:
+            a, b = cuts[k]
+            between_hosts = Subchannel(ch, between, k * span)
+            receives.append(ring.start_all_gather(between_hosts, [outs[host[place]][a:b] for host in hosts],
+                                                  outs[ch.rank][a:b]))
+        if k > 0:
+            for handle in receives[k - 1]:
+                ch.wait(handle)
+            a, b = cuts[k - 1]
+            for host in hosts:
+                intrahost.all_gather(arena, [outs[rank][a:b] for rank in host], outs[host[place]][a:b])
+    ch.flush()  # our last sends may still read `outs`
 
 
 def reduce_scatter(ch: ring.Channel, placement: Placement, out: torch.Tensor, blocks: list[torch.Tensor],

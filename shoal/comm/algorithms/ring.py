@@ -203,7 +203,7 @@ def frames(n: int, flat: torch.Tensor) -> int:
 
 
 def gather_frames(n: int, mine: torch.Tensor) -> int:
-    """How many frame numbers `all_gather` of blocks like `mine` over `n` ranks uses."""
+    """How many frame numbers `start_all_gather` of blocks like `mine` over `n` ranks uses."""
     return (n - 1) * _Layout(mine, [0, mine.numel()]).chunks
 
 
@@ -306,11 +306,19 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def all_gather(ch: Channel, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
     """Ring all-gather in chunks: step s passes block (rank-s) on to the right."""
-    n, me = ch.size, ch.rank
-    if outs[me].data_ptr() != mine.data_ptr():  # FSDP2 gathers from its place in the output itself
-        outs[me].copy_(mine)
-    if n == 1:
+    if outs[ch.rank].data_ptr() != mine.data_ptr():  # FSDP2 gathers from its place in the output itself
+        outs[ch.rank].copy_(mine)
+    if ch.size == 1:
         return
+    _wait_all(ch, start_all_gather(ch, outs, mine))
+    ch.flush()
+
+
+def start_all_gather(ch: Channel, outs: list[torch.Tensor], mine: torch.Tensor) -> list:
+    """Start the ring all-gather of `mine` (already in `outs[ch.rank]`, or that block itself) into `outs`;
+    once the returned receives are done, so is the all-gather (our own sends may read the blocks until
+    `ch.flush()`). It uses `gather_frames(ch.size, mine)` frame numbers, from 0."""
+    n, me = ch.size, ch.rank
     whole = torch.empty(0, dtype=mine.dtype)  # only the chunk geometry is needed from the layout
     layout = _Layout(whole, [0, mine.numel()])
     chunks, right, left = layout.chunks, (me + 1) % n, (me - 1) % n
@@ -325,8 +333,7 @@ def all_gather(ch: Channel, outs: list[torch.Tensor], mine: torch.Tensor) -> Non
                for s in range(n - 1) for c in range(chunks)]
     for c in range(chunks):
         ch.send(right, c, as_bytes(layout.chunk(0, c, mine)))
-    _wait_all(ch, handles)
-    ch.flush()
+    return handles
 
 
 def gather(ch: Channel, outs: list[torch.Tensor] | None, mine: torch.Tensor, dst: int) -> None:
