@@ -11,7 +11,7 @@ from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = ("accuracy", "allreduce", "autograd", "ddp", "dp", "faults", "hooks", "hosts", "pipeline", "recovery",
-              "rpc", "rpc-recovery", "shard", "torch-backend")
+              "rpc", "rpc-recovery", "shard", "soak", "torch-backend")
 # benchmarks whose file in benchmarks/ is not NAME.py
 _MODULES = {"autograd": "dist_autograd", "dp": "dp_vs_ddp", "rpc-recovery": "rpc_recovery",
             "torch-backend": "torch_backend"}

@@ -92,21 +92,25 @@ def test_a_group_spanning_hosts_reduces_in_shared_memory_within_them_and_over_th
     assert all(h == tuple(sorted([together, (apart,)])) for h in hosts.values()), hosts
 
 
-def _on_named_hosts(rank: int, world: int, port: int, numel: int) -> tuple:
-    os.environ["SHOAL_HOST_ID"] = f"host{rank % 2}"  # ranks 0 and 2 on one host, 1 and 3 on the other
-    hierarchy.PIECE_BYTES = 256 << 10  # forty pieces, two at a time on the network
+def _on_named_hosts(rank: int, world: int, port: int, hosts: int, numel: int) -> tuple:
+    os.environ["SHOAL_HOST_ID"] = f"host{rank % hosts}"  # with two hosts: ranks 0 and 2 on one, 1 and 3 on the other
+    hierarchy.PIECE_BYTES = 256 << 10  # tens of pieces, two at a time on the network
     dist.init_process_group("shoal", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
-    hosts = _every_collective(rank, world, numel)
+    for small in (1031, 20_000):  # one piece: a direct exchange between hosts, then the ring
+        _every_collective(rank, world, small)
+    found = _every_collective(rank, world, numel)
     tensor = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     dist.all_reduce(tensor)
-    return hosts, tensor
+    return found, tensor
 
 
-def test_ranks_named_onto_two_hosts_reduce_within_each_and_between_them() -> None:
-    out = run_ranks(_on_named_hosts, 4, ROUNDS_NUMEL, backend=None, timeout=180)
-    assert all(hosts == ((0, 2), (1, 3)) for hosts, _ in out.values()), out
-    want = sum(torch.randn(ROUNDS_NUMEL, generator=torch.Generator().manual_seed(r)).double() for r in range(4))
+@pytest.mark.parametrize("hosts", [2, 3])
+def test_ranks_named_onto_several_hosts_reduce_within_each_and_between_them(hosts: int) -> None:
+    world = 2 * hosts
+    out = run_ranks(_on_named_hosts, world, hosts, ROUNDS_NUMEL, backend=None, timeout=240)
+    assert all(found == tuple((h, h + hosts) for h in range(hosts)) for found, _ in out.values()), out
+    want = sum(torch.randn(ROUNDS_NUMEL, generator=torch.Generator().manual_seed(r)).double() for r in range(world))
     torch.testing.assert_close(out[0][1].double(), want, rtol=0, atol=1e-5)
     assert all(torch.equal(tensor, out[0][1]) for _, tensor in out.values())  # the leaders' result, broadcast
 

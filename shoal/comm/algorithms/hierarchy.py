@@ -116,7 +116,7 @@ def reduce_scatter(ch: ring.Channel, placement: Placement, out: torch.Tensor, bl
         for host, into in zip(hosts, partial, strict=True):
             intrahost.reduce_scatter(arena, into[a:b], [blocks[rank][a:b] for rank in host], op)
 
-    if count == 1:  # small: the ring's own choice (a direct exchange) and no pieces
+    if count == 1:  # one piece: the ring's own way (a direct exchange where it is small)
         reduce_within(0, out.numel())
         ring.reduce_scatter(Subchannel(ch, between), out, partial, op)
         return
