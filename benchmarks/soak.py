@@ -81,10 +81,8 @@ def _final(stdout: str, epochs: int) -> tuple[str, int]:
     """The state every worker ended in, and the last generation; raises unless every sample was trained once."""
     reports, finals = states(stdout)
     assert_alike(reports, finals)
-    for who, text in finals.items():
-        if who == "[rank0]":  # rank 0 is on the store's host, there from the start to the end
-            assert text.startswith(f"samples {epochs * SAMPLES} missing 0 twice 0 "), text
-    text = finals["[rank0]"]
+    text = finals["[rank0]"]  # rank 0 is on the store's host, there from the start to the end
+    assert text.startswith(f"samples {epochs * SAMPLES} missing 0 twice 0 "), text
     return text.split(" state ")[1].split()[0], int(text.split(" generation ")[1].split()[0])
 
 
