@@ -17,6 +17,7 @@ digit for digit.
 from __future__ import annotations
 
 import argparse
+import collections
 import random
 import subprocess
 import sys
@@ -53,11 +54,12 @@ def _fault(hosts: TwoHosts, draw: random.Random) -> str:
 
 def run_job(hosts: TwoHosts, epochs: int, workdir: Path, draw: random.Random | None) -> tuple[str, list[str], float]:
     """The job on both hosts, with faults drawn by `draw` (none without); its workers' output, the faults,
-    and the seconds it took."""
+    and the seconds it took. A node that fails, or a job that outlasts its deadline, ends the soak."""
     procs: list[subprocess.Popen] = []
     faults: list[str] = []
     with ExitStack() as files, reaped(procs):
         start = time.monotonic()
+        deadline = start + 120 + 2 * epochs  # about 0.7 s an epoch under faults; 0.4 s without
         for node in (0, 1):
             argv = ["-m", "shoal.run", "--live", "--max-restarts", "1", "--nnodes", "2", "--node-rank", str(node),
                     "--nproc-per-node", "2", "--master-addr", hosts.addresses[0], "--master-port", str(STORE_PORT),
@@ -65,24 +67,42 @@ def run_job(hosts: TwoHosts, epochs: int, workdir: Path, draw: random.Random | N
             env = {"SHOAL_SECRET": "soak", "SHOAL_HOST_ID": f"host{node}", "PYTHONPATH": str(ROOT)}
             out, err = (files.enter_context(open(workdir / f"{name}{node}", "wb")) for name in ("stdout", "stderr"))
             procs.append(hosts.start(node, argv, env, err, stdout=out, cwd=str(ROOT)))
-        while draw is not None and all(p.poll() is None for p in procs):
-            time.sleep(draw.uniform(1.0, 4.0))
-            if all(p.poll() is None for p in procs):
+        next_fault = start + (draw.uniform(1.0, 4.0) if draw is not None else float("inf"))
+        while any(p.poll() is None for p in procs):
+            for node, p in enumerate(procs):
+                if p.poll() not in (None, 0):
+                    raise SystemExit(f"node {node} ended with status {p.returncode}:\n"
+                                     f"{(workdir / f'stderr{node}').read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the job did not end within {deadline - start:.0f} s; its last words:\n"
+                                 f"{(workdir / 'stderr0').read_text()[-3000:]}")
+            if time.monotonic() >= next_fault and all(p.poll() is None for p in procs):
                 faults.append(_fault(hosts, draw))
-        for node, p in enumerate(procs):
-            if p.wait(timeout=max(600, 20 * epochs)) != 0:
-                raise SystemExit(f"node {node} ended with status {p.returncode}:\n"
-                                 f"{(workdir / f'stderr{node}').read_text()[-3000:]}")
+                next_fault = time.monotonic() + draw.uniform(1.0, 4.0)
+            time.sleep(0.1)
         seconds = time.monotonic() - start
     return "".join((workdir / f"stdout{node}").read_text() for node in (0, 1)), faults, seconds
 
 
 def _final(stdout: str, epochs: int) -> tuple[str, int]:
-    """The state every worker ended in, and the last generation; raises unless every sample was trained once."""
+    """The state every worker ended in, and the last generation; ends the soak unless the members' logs of
+    their committed steps list every sample of every epoch exactly once, and the workers ended alike."""
+    trained = collections.Counter()
+    for line in stdout.splitlines():
+        _, _, text = line.partition(": ")
+        if text.startswith("trained "):
+            epoch, *indices = map(int, text.split()[1:])
+            trained.update((epoch, i) for i in indices)
+    wrong = {sample: count for sample, count in trained.items() if count != 1}
+    missing = epochs * SAMPLES - len(trained)
+    if wrong or missing:
+        raise SystemExit(f"{missing} samples never trained, {len(wrong)} trained more than once: {list(wrong)[:5]}")
     reports, finals = states(stdout)
-    assert_alike(reports, finals)
-    text = finals["[rank0]"]  # rank 0 is on the store's host, there from the start to the end
-    assert text.startswith(f"samples {epochs * SAMPLES} missing 0 twice 0 "), text
+    try:
+        assert_alike(reports, finals)
+    except AssertionError as exc:
+        raise SystemExit(f"the workers did not end alike: {exc}") from None
+    text = next(iter(finals.values()))
     return text.split(" state ")[1].split()[0], int(text.split(" generation ")[1].split()[0])
 
 
@@ -105,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
             for fault in faults:
                 print(f"  {fault}")
             clean_stdout, _, clean_seconds = run_job(hosts, args.epochs, Path(tmp), None)
-            clean, _ = _final(clean_stdout, args.epochs)
+            clean, clean_generation = _final(clean_stdout, args.epochs)
+            if clean_generation != 0:
+                raise SystemExit("the fault-free run lost a worker: nothing to compare the soak's state with")
     finally:
         hosts.tear_down()
     print(f"no faults: {clean_seconds:.0f} s")
@@ -115,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         if soaked != clean:
             raise SystemExit(1)
     else:
-        print(f"workers were lost and replaced ({generation} generations): the fault-free run's state differs by "
-              f"design; every sample was still trained once")
+        print(f"workers were lost or joined ({generation} changes of membership): the fault-free run's state "
+              f"differs by design; every sample was still trained once")
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def _on_named_hosts(rank: int, world: int, port: int, hosts: int, numel: int) ->
 @pytest.mark.parametrize("hosts", [2, 3])
 def test_ranks_named_onto_several_hosts_reduce_within_each_and_between_them(hosts: int) -> None:
     world = 2 * hosts
-    out = run_ranks(_on_named_hosts, world, hosts, ROUNDS_NUMEL, backend=None, timeout=240)
+    out = run_ranks(_on_named_hosts, world, hosts, ROUNDS_NUMEL, backend=None, timeout=300)
     assert all(found == tuple((h, h + hosts) for h in range(hosts)) for found, _ in out.values()), out
     want = sum(torch.randn(ROUNDS_NUMEL, generator=torch.Generator().manual_seed(r)).double() for r in range(world))
     torch.testing.assert_close(out[0][1].double(), want, rtol=0, atol=1e-5)

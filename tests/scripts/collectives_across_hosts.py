@@ -34,11 +34,11 @@ reduced = sent_during(lambda: dist.all_reduce(tensor))
 blocks = [torch.empty(numel // world) for _ in range(world)]
 gathered = sent_during(lambda: dist.all_gather(blocks, torch.full((numel // world,), float(rank))))
 out = torch.empty(numel // world)
-inputs = [torch.full((numel // world,), float(rank * d)) for d in range(world)]
+inputs = [torch.full((numel // world,), float((rank + 1) * (d + 1))) for d in range(world)]
 scattered = sent_during(lambda: dist.reduce_scatter(out, inputs))
 right = {"all_reduce": bool((tensor == world * (world + 1) / 2).all()),
          "all_gather": all(bool((block == r).all()) for r, block in enumerate(blocks)),
-         "reduce_scatter": bool((out == rank * world * (world - 1) / 2).all())}
+         "reduce_scatter": bool((out == (rank + 1) * world * (world + 1) / 2).all())}
 hosts = dist.default_group().hosts
 dist.destroy_process_group()
 (workdir / f"result{rank}.json").write_text(json.dumps({"sent": {"all_reduce": reduced, "all_gather": gathered,
