@@ -107,7 +107,7 @@ def test_replicas_train_as_diloco_s_definition_says(world: int) -> None:
         assert equal == synced, f"step {step}: replicas equal {equal}"  # apart between synchronizations
 
 
-def test_bad_arguments_raise() -> None:
+def test_bad_arguments_raise_and_a_synchronization_needs_a_group() -> None:
     net = _net(0)
     inner, outer = _optimizers(net)
     from shoal.optim import DiLoCoOptimizer
@@ -117,3 +117,6 @@ def test_bad_arguments_raise() -> None:
     other = torch.optim.SGD(_net(1).parameters(), lr=0.7)
     with pytest.raises(ValueError, match="the outer optimizer must hold the same parameters"):
         DiLoCoOptimizer(inner, other, sync_every=3)
+    unbound = DiLoCoOptimizer(inner, outer, sync_every=1)  # no default group yet: LiveTraining gives one
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        unbound.step()

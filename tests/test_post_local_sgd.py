@@ -193,8 +193,11 @@ def test_averagers_refuse_what_torch_s_refuse() -> None:
             torch_averagers.PeriodicModelAverager(**kwargs, process_group=outside)
     with pytest.warns(UserWarning, match="period=1"):
         PeriodicModelAverager(1, process_group=outside)
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        PeriodicModelAverager(2)  # no default group to take
+    unbound = PeriodicModelAverager(2)  # no default group to take: LiveTraining gives it each generation's
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="init_process_group"):  # torch's refuses at construction already
+        unbound.average_parameters([p])
     with pytest.raises(NotImplementedError, match="got an entry of type str"):  # torch's type
         get_params_to_average(["weight"])
     with pytest.raises(ValueError, match="no parameters to average"):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from shoal.comm.api.world import default_group, is_non_member
+from shoal.comm.api.world import default_group, is_initialized, is_non_member
 from shoal.comm.backends.group import ProcessGroup
 from shoal.parallel.comm_hooks import _divide_then_sum
 
@@ -26,7 +26,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     """Wraps the inner optimizer: its param groups and state are this optimizer's (a learning-rate scheduler
     steps the inner one). The outer optimizer must hold the same parameters. At construction every replica
     takes the group's rank 0's parameters (a collective: every rank constructs it), so that all start, and
-    after each synchronization stay, equal.
+    after each synchronization stay, equal. Without a group and with no default group yet (under LiveTraining,
+    which gives it each generation's group and takes over the synchronizations), it broadcasts nothing.
 
     Like PostLocalSGDOptimizer, a torch.optim.Optimizer for isinstance checks that never runs Optimizer's
     constructor."""
@@ -41,10 +42,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             raise ValueError("the outer optimizer must hold the same parameters as the inner one: it steps them "
                              "from where the replicas last synchronized")
         self.inner, self.outer, self.sync_every = inner, outer, sync_every
-        self.process_group = process_group if process_group is not None else default_group()
+        if process_group is None and is_initialized():
+            process_group = default_group()
+        self.process_group: ProcessGroup | None = process_group
         self.local_steps = 0
         """Inner steps taken: a synchronization follows every `sync_every`-th."""
-        if not is_non_member(self.process_group):
+        if process_group is not None and not is_non_member(process_group):
             with torch.no_grad():
                 for p in self.params:
                     self.process_group.broadcast(p.detach(), self.process_group.ranks[0]).wait()
@@ -77,10 +80,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """Average the pseudo-gradients over the group, put every parameter back where it was at the last
         synchronization, and step the outer optimizer there with the average as its gradient. The
         parameters' own `.grad` are left as they were."""
-        if is_non_member(self.process_group):
+        group = self.process_group if self.process_group is not None else default_group()
+        if is_non_member(group):
             return
         moved = torch.cat([(start - p).reshape(-1) for start, p in zip(self._start, self.params, strict=True)])
-        _divide_then_sum(moved, self.process_group).wait()
+        _divide_then_sum(moved, group).wait()
         grads, offset = [p.grad for p in self.params], 0
         for start, p in zip(self._start, self.params, strict=True):
             p.copy_(start)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shoal.comm.api.world import default_group, is_non_member
+from shoal.comm.api.world import default_group, is_initialized, is_non_member
 from shoal.comm.backends.group import ProcessGroup
 from shoal.parallel.comm_hooks import _divide_then_sum
 
@@ -75,11 +75,14 @@ def average_parameters_or_parameter_groups(params: Params, process_group: Proces
 
 
 class ModelAverager(abc.ABC):
-    """Base of the averagers: the group to average over (None: the default group, taken now) and `step`,
-    the count of `average_parameters` calls, which PostLocalSGDOptimizer checkpoints."""
+    """Base of the averagers: the group to average over (None: the default group, taken now; under
+    LiveTraining, with no default group, each generation's, which it sets) and `step`, the count of
+    `average_parameters` calls, which PostLocalSGDOptimizer checkpoints."""
 
     def __init__(self, process_group: ProcessGroup | None = None) -> None:
-        self.process_group = process_group if process_group is not None else default_group()
+        if process_group is None and is_initialized():
+            process_group = default_group()
+        self.process_group: ProcessGroup | None = process_group
         self.step = 0
 
     @abc.abstractmethod
