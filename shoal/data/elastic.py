@@ -76,6 +76,16 @@ class ElasticSampler(torch.utils.data.Sampler[list[int]]):
             self._steps.append(self._handed_out)
             yield order[lo:hi]
 
+    @property
+    def uncommitted(self) -> int:
+        """Steps handed out and not yet committed."""
+        return len(self._steps)
+
+    @property
+    def handed_out_all(self) -> bool:
+        """Whether the epoch's last step has been handed out."""
+        return self._handed_out >= len(self.dataset)
+
     def __len__(self) -> int:
         """Steps left in this epoch after what was handed out, with the current membership."""
         full, rest = divmod(len(self.dataset) - self._handed_out, self.batch_size * self.world_size)

@@ -21,6 +21,10 @@ each block taken from a worker that holds it, its own or a buddy (shard_keeper.p
 step's forward changed besides the gradients (BatchNorm's running statistics, the random number
 generators) is not rolled back.
 
+With an optimizer that synchronizes the replicas every few steps (DiLoCoOptimizer, PostLocalSGDOptimizer),
+`model` is the module itself and the decision comes at each period's end (periods.py): a member lost during
+a period undoes it on every member, `extra` included, and the next generation trains its samples again.
+
 A script may train several times in turn (a LiveTraining each, closed before the next): each later
 training begins with the last members of the one before, and a worker that missed one (it arrived
 after the members closed it) passes through it and joins the next.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import itertools
 import sys
 import time
@@ -49,6 +54,7 @@ from shoal.elastic.decisions import DISCARD, GROW, StepDecisions
 from shoal.elastic.handover import share_state
 from shoal.elastic.identity import member_id
 from shoal.elastic.membership import JOIN_WAIT, Generation, JobFinished, Membership
+from shoal.elastic.periods import Periods
 from shoal.elastic.shard_keeper import ShardKeeper, settings
 from shoal.errors import GroupBrokenError, PeerFailure
 from shoal.observe import events, timeline
@@ -66,7 +72,12 @@ class Step:
 
     def __init__(self) -> None:
         self.committed = False
-        """Applied on every member (optimizer.step, sampler.commit); False inside the block and when discarded."""
+        """Applied on every member (optimizer.step, sampler.commit); False inside the block and when discarded.
+        With a periodic optimizer (DiLoCo, post-local SGD), taken on every member, but undone if a member
+        is lost before its period ends."""
+        self.synchronized = False
+        """Final: this step ended a period that every member synchronized, and the period's steps are
+        committed for good. Under DDP and fully_shard, each step is a period: the same as `committed`."""
 
 
 class LiveTraining:
@@ -75,7 +86,9 @@ class LiveTraining:
     `redundancy` other workers (shard_keeper.py). `extra`: other objects with state_dict/load_state_dict (a
     learning-rate scheduler) that a joiner takes from the others with the optimizer's state. With fewer than
     `min_workers` members, the members wait for workers to join before they go on (TimeoutError if none
-    asks to within `timeout`); by default, as many as MIN nodes of `shoal run --nnodes MIN:MAX` start, else 1."""
+    asks to within `timeout`); by default, as many as MIN nodes of `shoal run --nnodes MIN:MAX` start, else 1.
+    A DiLoCoOptimizer or PostLocalSGDOptimizer (made before any process group, as here) makes the training
+    periodic: see the module's doc."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler, *,
                  extra: Mapping[str, Any] | None = None, min_workers: int | None = None,
@@ -90,6 +103,10 @@ class LiveTraining:
         if not (config.SHOAL_LIVE.get() and config.TORCHELASTIC_USE_AGENT_STORE.get()):
             raise RuntimeError("live recovery needs a launcher that serves the store and keeps the other workers "
                                "running when one is lost: run the script under `shoal run --live`")
+        self._periods = Periods.of(optimizer)
+        if self._periods is not None and (isinstance(module, FSDPModule) or ddp_options):
+            raise ValueError(f"{type(optimizer).__name__} synchronizes whole replicas every few steps: "
+                             f"the model is neither wrapped in DDP nor fully_shard")
         timeline.start_from_environment()  # `shoal run --trace DIR`
         host = config.MASTER_ADDR.get()
         store = Store.connect(host, config.MASTER_PORT.get(), world_size=launched, is_server=False, timeout=timeout)
@@ -101,7 +118,7 @@ class LiveTraining:
         self.optimizer, self.sampler, self._extra = optimizer, sampler, dict(extra or {})
         self.min_workers, self._timeout = min_workers, timeout
         self.steps = 0
-        """Steps committed: what a learning-rate schedule should follow."""
+        """Steps committed (periodic: taken, and undone with their period): what a learning-rate schedule follows."""
         self._decisions = StepDecisions(self._store.scoped("steps/"), timeout)
         self._regrouped = False
         self._joiners_to_admit = False  # the last step's decision was GROW: admit them before the next step
@@ -109,6 +126,9 @@ class LiveTraining:
         self._module, self._ddp_options = module, ddp_options
         self.model: DistributedDataParallel | nn.Module | None = None
         self._keeper: ShardKeeper | None = None
+        self._period_start: dict[str, Any] | None = None  # what a period is undone to (None: take it at its start)
+        if self._periods is not None:
+            self.model = module
         if not isinstance(module, FSDPModule) and any(isinstance(m, FSDPModule) for m in module.modules()):
             raise ValueError("fully_shard was called on parts of this model but not on the whole: call it on the "
                              "model too (the root, which LiveTraining re-cuts over each generation)")
@@ -191,34 +211,56 @@ class LiveTraining:
         if self.missed:
             raise RuntimeError("the members finished this training before this worker could join it "
                                "(live.missed): it has no steps to take")
+        if self._periods is not None and self._period_start is None:  # after the script's code for the last period
+            self._period_start = copy.deepcopy(self._state())
         step = Step()
         try:
             yield step
             if self._keeper is not None:
                 self._keeper.send_gradients(self.group)
+            decides = self._periods is None or self._local_step()
         except _LOSSES as exc:
             loss: BaseException | None = exc
+            decides = True
         except BaseException:
             self._decisions.discard(self._step_key())  # the others need not wait for us to time out
             raise
         else:
             loss = None
         try:
+            if not decides:
+                step.committed = True
+                return
             decision = self._decide(reduced=loss is None)
             if decision == DISCARD:
+                if self._periods is not None:  # back to where the period began, as every member goes
+                    self._periods.end()
+                    self._load(self._period_start)
                 self._regroup(loss)
-            else:
+                return
+            if self._periods is None:
                 self.optimizer.step()
-                if self._keeper is not None:
-                    self._keeper.commit()
-                self.sampler.commit()
                 self.steps += 1
-                step.committed = True
-                self._joiners_to_admit = decision == GROW
+            if self._keeper is not None:
+                self._keeper.commit()
+            for _ in range(1 if self._periods is None else self._periods.end()):
+                self.sampler.commit()
+            step.committed = step.synchronized = True
+            self._joiners_to_admit = decision == GROW
+            self._period_start = None
         finally:
             self.optimizer.zero_grad()
             if self._keeper is not None:
                 self._keeper.drop_gradients()
+
+    def _local_step(self) -> bool:
+        """A periodic optimizer's step on this replica; whether it ended the period, which is then
+        synchronized (a collective: it fails if a member is lost)."""
+        ends = self._periods.step(self.sampler)
+        self.steps += 1
+        if ends:
+            self._periods.synchronize()
+        return ends
 
     def _step_key(self) -> str:
         return f"{self.generation.number}/{self.steps}"
@@ -281,38 +323,50 @@ class LiveTraining:
                            f"min_workers={self.min_workers}, and none joined within {self._timeout.total_seconds():g}s")
 
     def _enter(self) -> None:
-        """Take part in this generation's group: DDP over it, and rank 0's parameters, buffers and state; or,
-        for a fully_shard model, its blocks re-cut over the group, and rank 0's buffers and state."""
+        """Take part in this generation's group: DDP (or a periodic optimizer) over it, and rank 0's parameters,
+        buffers and state; or, for a fully_shard model, its blocks re-cut over the group, and rank 0's buffers
+        and state."""
         if self.group.rank == 0 and not self._holds_state:
             raise RuntimeError(f"generation {self.generation.number}: every worker that held the training state "
                                f"was lost; only workers still joining are left")
         if self._keeper is not None:
             self._keeper.reshard(self.group, self.generation.members, self._holds_state)
+        elif self._periods is not None:
+            self._periods.adopt(self.group)
         elif self.model is None:
             self.model = DistributedDataParallel(self._module, process_group=self.group, **self._ddp_options)
         else:
             self.model.adopt(self.group)
         state = share_state(self.group, self._state() if self.group.rank == 0 else None)
         if self.group.rank != 0:
-            if self._keeper is None:
-                self.optimizer.load_state_dict(state["optimizer"])
-            else:  # the shards' optimizer state was re-cut with them
-                for group, saved in zip(self.optimizer.param_groups, state["settings"], strict=True):
-                    group.update(saved)
-                for name, buffer in self._module.named_buffers():
-                    buffer.copy_(state["buffers"][name])
-            self.sampler.load_state_dict(state["sampler"])
-            for name, obj in self._extra.items():
-                obj.load_state_dict(state["extra"][name])
-            self.steps = state["steps"]
+            self._load(state)
         self._holds_state = True
         self.sampler.set_membership(self.group.rank, self.group.size)
+        self._period_start = None
+
+    def _load(self, state: dict[str, Any]) -> None:
+        """Take `state`, as `_state` gives it."""
+        if self._keeper is None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # the shards' optimizer state was re-cut with them
+            for group, saved in zip(self.optimizer.param_groups, state["settings"], strict=True):
+                group.update(saved)
+            for name, buffer in self._module.named_buffers():
+                buffer.copy_(state["buffers"][name])
+        if "module" in state:  # a periodic optimizer's replica, which no DDP broadcasts
+            self._module.load_state_dict(state["module"])
+        self.sampler.load_state_dict(state["sampler"])
+        for name, obj in self._extra.items():
+            obj.load_state_dict(state["extra"][name])
+        self.steps = state["steps"]
 
     def _state(self) -> dict[str, Any]:
         state = {"sampler": self.sampler.state_dict(), "steps": self.steps,
                  "extra": {name: obj.state_dict() for name, obj in self._extra.items()}}
         if self._keeper is None:
             state["optimizer"] = self.optimizer.state_dict()
+            if self._periods is not None:
+                state["module"] = self._module.state_dict()
         else:
             state["settings"] = [settings(group) for group in self.optimizer.param_groups]
             state["buffers"] = dict(self._module.named_buffers())
@@ -324,7 +378,7 @@ class LiveTraining:
         (JobFinished) when the members exit."""
         if not self.missed:
             self.membership.finish(self.generation)
-            if self._keeper is None:
+            if isinstance(self.model, DistributedDataParallel):
                 self.model.release()  # a later training may wrap the same module
             self.group.shutdown()
 
