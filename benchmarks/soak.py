@@ -3,6 +3,7 @@ connections are reset at random; then the same job with no faults, to compare.
 
     shoal bench soak                          # or: python benchmarks/soak.py; needs root
     shoal bench soak --epochs 400 --seed 3
+    shoal bench soak --optimizer diloco       # the replicas synchronize every 3 steps, a period at a time
 
 The hosts are tests/hosts.py's network namespaces, as in `shoal bench hosts`. On each, a launcher
 (`shoal run --live --max-restarts 1 --nnodes 2`) runs two workers of tests/scripts/live_train.py: a
@@ -52,9 +53,11 @@ def _fault(hosts: TwoHosts, draw: random.Random) -> str:
     return f"link down {down_s:.1f} s" + (f", host {host} reset ({reset} connections)" if reset is not None else "")
 
 
-def run_job(hosts: TwoHosts, epochs: int, workdir: Path, draw: random.Random | None) -> tuple[str, list[str], float]:
-    """The job on both hosts, with faults drawn by `draw` (none without); its workers' output, the faults,
-    and the seconds it took. A node that fails, or a job that outlasts its deadline, ends the soak."""
+def run_job(hosts: TwoHosts, epochs: int, workdir: Path, draw: random.Random | None,
+            options: list[str]) -> tuple[str, list[str], float]:
+    """The job on both hosts (live_train.py given `options`), with faults drawn by `draw` (none without); its
+    workers' output, the faults, and the seconds it took. A node that fails, or a job that outlasts its
+    deadline, ends the soak."""
     procs: list[subprocess.Popen] = []
     faults: list[str] = []
     with ExitStack() as files, reaped(procs):
@@ -63,7 +66,7 @@ def run_job(hosts: TwoHosts, epochs: int, workdir: Path, draw: random.Random | N
         for node in (0, 1):
             argv = ["-m", "shoal.run", "--live", "--max-restarts", "1", "--nnodes", "2", "--node-rank", str(node),
                     "--nproc-per-node", "2", "--master-addr", hosts.addresses[0], "--master-port", str(STORE_PORT),
-                    "-m", "tests.scripts.live_train", "--epochs", str(epochs)]
+                    "-m", "tests.scripts.live_train", "--epochs", str(epochs), *options]
             env = {"SHOAL_SECRET": "soak", "SHOAL_HOST_ID": f"host{node}", "PYTHONPATH": str(ROOT)}
             out, err = (files.enter_context(open(workdir / f"{name}{node}", "wb")) for name in ("stdout", "stderr"))
             procs.append(hosts.start(node, argv, env, err, stdout=out, cwd=str(ROOT)))
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=300, help="epochs of 61 samples (8 steps each at 4 workers)")
     parser.add_argument("--seed", type=int, default=0, help="draws the faults")
+    parser.add_argument("--optimizer", choices=["sgd", "diloco", "post-local-sgd"], default="sgd",
+                        help="sgd: DDP averages every step; the others synchronize every 3 steps")
     args = parser.parse_args(argv)
     missing = namespaces_missing()
     if missing is not None:
@@ -118,13 +123,14 @@ def main(argv: list[str] | None = None) -> None:
     hosts = TwoHosts.build()
     try:
         with TemporaryDirectory() as tmp:
-            stdout, faults, seconds = run_job(hosts, args.epochs, Path(tmp), random.Random(args.seed))
+            options = [] if args.optimizer == "sgd" else [f"--{args.optimizer}"]
+            stdout, faults, seconds = run_job(hosts, args.epochs, Path(tmp), random.Random(args.seed), options)
             soaked, generation = _final(stdout, args.epochs)
             print(f"under faults: {seconds:.0f} s, {len(faults)} faults, generation {generation} at the end, "
                   f"every sample once, the workers alike")
             for fault in faults:
                 print(f"  {fault}")
-            clean_stdout, _, clean_seconds = run_job(hosts, args.epochs, Path(tmp), None)
+            clean_stdout, _, clean_seconds = run_job(hosts, args.epochs, Path(tmp), None, options)
             clean, clean_generation = _final(clean_stdout, args.epochs)
             if clean_generation != 0:
                 raise SystemExit("the fault-free run lost a worker: nothing to compare the soak's state with")
