@@ -133,13 +133,16 @@ def test_powersgd_goes_on_through_a_loss_and_a_joiner_projects_as_the_others_do(
 @pytest.mark.parametrize("optimizer", ["--diloco", "--post-local-sgd"])
 def test_a_periodic_optimizer_undoes_the_period_a_worker_was_lost_in_and_admits_its_successor(optimizer: str) -> None:
     """Rank 1 is killed before step 4, in the period of steps 3-5: the survivors find it lost when they
-    synchronize, undo the period on both (steps, scheduler and all) and train it again; the worker started
-    in its place joins at the next period's end. Every sample is trained once, in periods made final."""
+    synchronize, undo the period on both (parameters, optimizers, steps, scheduler) back to the state they
+    made final at step 3, and train it again; the worker started in its place joins at the next period's
+    end. Every sample is trained once, in periods made final."""
     result = _launch_live("--kill", "1:4", "--epochs", "3", "--await-joiner", optimizer, restarts=1)
     assert result.returncode == 0, result.stderr
     reports, finals = states(result.stdout)
     assert_alike(reports, finals)
     assert sorted(entries[0][1].split()[:2] for entries in reports.values()) == [["2", "3"], ["3", "0"], ["3", "6"]]
+    made_final = set(re.findall(r"\[rank[02]\]: final 3 state (\w+)", result.stdout))
+    assert made_final == {reports["1"][0][1].split()[2]}, (made_final, reports["1"])
     assert sorted(finals) == ["[rank0]", "[rank1]", "[rank2]"]
     steps = re.search(r" steps (\d+) ", finals["[rank0]"])[1]
     assert finals["[rank0]"].startswith("samples 183 missing 0 twice 0 ")

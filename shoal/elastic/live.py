@@ -213,7 +213,7 @@ class LiveTraining:
                                "(live.missed): it has no steps to take")
         if self._periods is not None and self._period_start is None:  # after the script's code for the last period
             self._period_start = copy.deepcopy(self._state())
-        step = Step()
+        step, decides = Step(), True
         try:
             yield step
             if self._keeper is not None:
@@ -221,7 +221,6 @@ class LiveTraining:
             decides = self._periods is None or self._local_step()
         except _LOSSES as exc:
             loss: BaseException | None = exc
-            decides = True
         except BaseException:
             self._decisions.discard(self._step_key())  # the others need not wait for us to time out
             raise
@@ -263,7 +262,8 @@ class LiveTraining:
         return ends
 
     def _step_key(self) -> str:
-        return f"{self.generation.number}/{self.steps}"
+        """The step decided on: with periods, the period's first (where every member's steps agree)."""
+        return f"{self.generation.number}/{self.steps - (0 if self._periods is None else self._periods.taken)}"
 
     def _decide(self, reduced: bool) -> str:
         return self._decisions.decide(self._step_key(), self.generation.size, reduced=reduced, member_lost=lambda: bool(

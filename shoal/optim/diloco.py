@@ -80,11 +80,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """Average the pseudo-gradients over the group, put every parameter back where it was at the last
         synchronization, and step the outer optimizer there with the average as its gradient. The
         parameters' own `.grad` are left as they were."""
-        group = self.process_group if self.process_group is not None else default_group()
-        if is_non_member(group):
+        if self.process_group is None:  # a default group made since would not have started the replicas equal
+            raise RuntimeError("DiLoCoOptimizer was made before any process group existed and was given none "
+                               "since (LiveTraining gives it one): make it after init_process_group, or pass "
+                               "process_group")
+        if is_non_member(self.process_group):
             return
         moved = torch.cat([(start - p).reshape(-1) for start, p in zip(self._start, self.params, strict=True)])
-        _divide_then_sum(moved, group).wait()
+        _divide_then_sum(moved, self.process_group).wait()
         grads, offset = [p.grad for p in self.params], 0
         for start, p in zip(self._start, self.params, strict=True):
             p.copy_(start)

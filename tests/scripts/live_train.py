@@ -5,7 +5,8 @@ launcher instead, which takes the worker with it (a lost node). Whenever its gen
 each worker prints the step and a digest of its parameters, optimizer state and learning-rate
 schedule (under --diloco or --post-local-sgd, the state the replicas share: not their own momenta);
 after each step made final (a period's last, under those), each member prints the samples it trained
-since the one before ("trained EPOCH I J ..."); each that finishes prints what its ledger of committed
+since the one before ("trained EPOCH I J ...") and, under those, the step count and state it made final
+("final STEP state DIGEST"); each that finishes prints what its ledger of committed
 steps says, and its scheduler's count.
 The loop is the one docs/training.md gives. Run it as a module from
 the repository's root, so that `tests` can be imported:
@@ -131,6 +132,8 @@ for epoch in live.epochs(args.epochs):
             print(f"trained {epoch} {' '.join(map(str, taken))}", flush=True)
             trained += [(epoch, i) for i in order[start:sampler.offset]]  # every member's share
             taken = []
+            if periodic:
+                print(f"final {live.steps} state {digest()}", flush=True)
 once = len(set(trained))
 print(f"samples {once} missing {args.epochs * len(data) - once} twice {len(trained) - once} "
       f"generation {live.generation.number} of {live.generation.size} steps {live.steps} state {digest()} "
