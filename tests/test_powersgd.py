@@ -50,13 +50,15 @@ def _averages(state: Any, hook: Any, group: Any, steps: list[list[list[torch.Ten
 
 
 @contextmanager
-def _gloo(rank: int, world: int, port: int) -> Iterator[None]:
-    """torch's default group on gloo for the block; every rank past its last callback before the group goes:
+def _torch_group(rank: int, world: int, port: int, backend: str = "gloo") -> Iterator[None]:
+    """torch's default group on `backend` for the block; every rank past its last callback before it goes:
     torch's hook keeps the group in its futures' callbacks, and a gloo worker that drops the last reference
     destroys the group on that very thread, which cannot join itself (std::system_error, abort)."""
     import torch.distributed as torch_dist
 
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    import shoal  # noqa: F401 - registers backend "shoal"
+
+    torch_dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         yield
         torch_dist.barrier()
@@ -74,7 +76,7 @@ def _hooks(rank: int, world: int, torch_port: int, options: dict[str, Any]) -> d
     state = PowerSGDState(process_group=None, start_powerSGD_iter=START, **options)
     out["shoal"] = _averages(state, powerSGD_hook, shoal_group.WORLD, steps, in_flight=True)
     out["shoal stats"], out["shoal iter"] = state.compression_stats(), state.iter
-    with _gloo(rank, world, torch_port):
+    with _torch_group(rank, world, torch_port):
         state = torch_powersgd.PowerSGDState(process_group=None, start_powerSGD_iter=START, **options)
         out["torch"] = _averages(state, torch_powersgd.powerSGD_hook, None, steps, in_flight=False)
         out["torch stats"], out["torch iter"] = state.compression_stats(), state.iter
@@ -115,8 +117,9 @@ class _Net(nn.Module):
         return self.body(x)
 
 
-def _train_ddp(rank: int, world: int, torch_port: int) -> dict[str, list[torch.Tensor]]:
-    """The same replicas and batches trained by shoal's DDP with its hook, then torch's DDP with torch's."""
+def _train_ddp(rank: int, world: int, gloo_port: int, shoal_port: int) -> dict[str, list[torch.Tensor]]:
+    """The same replicas and batches trained by shoal's DDP with its hook, then by torch's DDP with torch's on
+    gloo and on backend "shoal" (torch's hook starts all-reduces in its futures' callbacks and waits there)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
     from shoal.parallel import DistributedDataParallel, PowerSGDState, powerSGD_hook
@@ -139,19 +142,22 @@ def _train_ddp(rank: int, world: int, torch_port: int) -> dict[str, list[torch.T
     # Two buckets in flight before the first is awaited; without warm start each drops its own factors.
     out["two buckets"] = train(functools.partial(DistributedDataParallel, bucket_cap_mb=0.004), PowerSGDState(
         None, 2, start_powerSGD_iter=3, warm_start=False), powerSGD_hook)
-    with _gloo(rank, world, torch_port):
-        out["torch"] = train(nn.parallel.DistributedDataParallel, torch_powersgd.PowerSGDState(
-            None, 1, start_powerSGD_iter=3), torch_powersgd.powerSGD_hook)
+    for backend, port in (("gloo", gloo_port), ("shoal", shoal_port)):
+        with _torch_group(rank, world, port, backend):
+            out[f"torch on {backend}"] = train(nn.parallel.DistributedDataParallel, torch_powersgd.PowerSGDState(
+                None, 1, start_powerSGD_iter=3), torch_powersgd.powerSGD_hook)
     return out
 
 
 def test_ddp_with_powersgd_trains_the_replicas_as_torch_s_ddp_does() -> None:
     from shoal.ports import free_port
 
-    out = run_ranks(_train_ddp, 2, free_port(), timeout=90)
+    out = run_ranks(_train_ddp, 2, free_port(), free_port(), timeout=90)
     for rank in range(2):
-        for mine, theirs in zip(out[rank]["shoal"], out[rank]["torch"], strict=True):
+        for mine, theirs in zip(out[rank]["shoal"], out[rank]["torch on gloo"], strict=True):
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        for on_shoal, on_gloo in zip(out[rank]["torch on shoal"], out[rank]["torch on gloo"], strict=True):
+            assert torch.equal(on_shoal, on_gloo)  # two ranks' sums: one rounding, in either library
         for key in ("shoal", "two buckets"):
             for mine, other in zip(out[rank][key], out[0][key], strict=True):
                 assert torch.equal(mine, other)  # the replicas stay equal

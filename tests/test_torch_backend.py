@@ -164,6 +164,15 @@ def _point_to_point_and_work(rank: int, world: int) -> dict:
     future = work.get_future()
     done = future.then(lambda f: f.value()[0] * 10).wait()
     check(done, torch.full((2,), 10.0 * world), "Work.get_future().then")
+
+    def start_another_and_wait(future: torch.futures.Future) -> torch.Tensor:
+        """As torch's PowerSGD hook does in its callbacks."""
+        another = torch.ones(2)
+        tdist.all_reduce(another, async_op=True).get_future().wait()
+        return future.value()[0] + another
+
+    done = tdist.all_reduce(torch.ones(2), async_op=True).get_future().then(start_another_and_wait).wait()
+    check(done, torch.full((2,), 2.0 * world), "a future's callback that waits for another op")
     assert work.wait(timedelta(seconds=30)) and work.is_completed() and work.is_success() and work.exception() is None
     tdist.barrier()
     objects = [None] * world

@@ -66,3 +66,33 @@ def test_torch_work_raises_dist_backend_error_naming_the_rank() -> None:
     assert isinstance(torch_work.exception(), tdist.DistBackendError) and not torch_work.is_success()
     with pytest.raises(tdist.DistBackendError, match="rank 1 failed"):
         future.wait()
+
+
+def test_a_future_s_callback_runs_off_the_finishing_thread_and_may_wait_for_a_later_op() -> None:
+    """The thread that finishes an op (a group's queue) is free for the next while the callback waits."""
+    first, second = Work("first", _TIMEOUT), Work("second", _TIMEOUT)
+    later = TorchWork(second, [torch.ones(1)])
+    callback_threads = []
+
+    def wait_for_the_second(future: torch.futures.Future) -> torch.Tensor:
+        callback_threads.append(threading.current_thread())
+        return future.value()[0] + later.get_future().wait()[0]
+
+    chained = TorchWork(first, [torch.ones(1)]).get_future().then(wait_for_the_second)
+    first.finish()  # returns though the callback waits for `second`
+    second.finish()
+    assert chained.wait().item() == 2.0
+    assert callback_threads and callback_threads[0] is not threading.current_thread()
+
+
+def test_a_resolver_job_waiting_for_a_later_one_never_holds_it_up() -> None:
+    from shoal.comm.as_torch.resolvers import Resolvers
+
+    resolvers, done = Resolvers(), [threading.Event() for _ in range(4)]
+    for i in range(3):  # each job waits for the next: four at once, on four threads
+        resolvers.run(lambda i=i: done[i + 1].wait(10) and done[i].set())
+    resolvers.run(done[3].set)
+    assert done[0].wait(10)
+    again = threading.Event()
+    resolvers.run(again.set)  # served by an idle thread or a new one alike
+    assert again.wait(10)

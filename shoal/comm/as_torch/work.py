@@ -11,6 +11,7 @@ import torch
 import torch.distributed as tdist
 from torch.futures import Future
 
+from shoal.comm.as_torch.resolvers import resolvers
 from shoal.comm.backends.work import Work
 
 
@@ -53,8 +54,8 @@ class TorchWork(tdist.Work):
             self._error = None if error is None else backend_error(error)
             self._settled.set()
             futures, self._futures = self._futures, []
-        for future in futures:
-            self._resolve(future)
+        for future in futures:  # not on this thread, the group's queue: see resolvers.py
+            resolvers.run(lambda future=future: self._resolve(future))
 
     def _resolve(self, future: Future) -> None:
         if self._error is None:
