@@ -78,11 +78,16 @@ def test_a_future_s_callback_runs_off_the_finishing_thread_and_may_wait_for_a_la
         callback_threads.append(threading.current_thread())
         return future.value()[0] + later.get_future().wait()[0]
 
-    chained = TorchWork(first, [torch.ones(1)]).get_future().then(wait_for_the_second)
-    first.finish()  # returns though the callback waits for `second`
+    earlier = TorchWork(first, [torch.ones(1)])
+    chained = earlier.get_future().then(wait_for_the_second)
+    finisher = threading.Thread(target=first.finish)
+    finisher.start()
+    finisher.join(10)
+    assert not finisher.is_alive()  # it returned though the callback waits for `second`
+    assert not earlier.is_completed()  # done, as gloo's Work, once its futures' callbacks have run
     second.finish()
-    assert chained.wait().item() == 2.0
-    assert callback_threads and callback_threads[0] is not threading.current_thread()
+    assert chained.wait().item() == 2.0 and earlier.wait() and earlier.is_completed()
+    assert callback_threads and callback_threads[0] not in (threading.current_thread(), finisher)
 
 
 def test_a_resolver_job_waiting_for_a_later_one_never_holds_it_up() -> None:

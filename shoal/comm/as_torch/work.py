@@ -31,7 +31,8 @@ class TorchWork(tdist.Work):
 
     `then` finishes the op where torch's meaning asks more than shoal's did (PREMUL_SUM's scaling): it runs
     once shoal's op is done, on the thread that finished it, so before the group's next op begins. The
-    Work counts as done, for `wait` and for futures, only after it."""
+    futures complete after it, on resolver threads (resolvers.py), and the Work counts as done, for `wait`,
+    only after they have, as gloo's does."""
 
     def __init__(self, work: Work, result: list[torch.Tensor], then: Callable[[], None] | None = None) -> None:
         super().__init__()
@@ -39,6 +40,7 @@ class TorchWork(tdist.Work):
         self._result = result
         self._then = then
         self._settling = threading.Lock()
+        self._known = False  # the outcome is in `_error`: a future asked for now completes at once
         self._settled = threading.Event()
         self._error: BaseException | None = None
         self._futures: list[Future] = []
@@ -52,10 +54,19 @@ class TorchWork(tdist.Work):
                 error = exc
         with self._settling:
             self._error = None if error is None else backend_error(error)
-            self._settled.set()
+            self._known = True
             futures, self._futures = self._futures, []
-        for future in futures:  # not on this thread, the group's queue: see resolvers.py
-            resolvers.run(lambda future=future: self._resolve(future))
+        if futures:
+            resolvers.run(lambda: self._complete(futures))  # not on this thread, the group's queue
+        else:
+            self._settled.set()
+
+    def _complete(self, futures: list[Future]) -> None:
+        try:
+            for future in futures:
+                self._resolve(future)
+        finally:
+            self._settled.set()
 
     def _resolve(self, future: Future) -> None:
         if self._error is None:
@@ -69,7 +80,7 @@ class TorchWork(tdist.Work):
             self._work.wait(timeout if timeout else None)
         except Exception as exc:
             raise backend_error(exc) from exc
-        self._settled.wait()  # shoal's op is done: only its `then` and futures, on their way, are left
+        self._settled.wait()  # shoal's op is done: only its `then` and its futures' callbacks may be left
         if self._error is not None:
             raise self._error
         return True
@@ -93,7 +104,7 @@ class TorchWork(tdist.Work):
     def get_future(self) -> Future:
         future: Future = Future()
         with self._settling:
-            if not self._settled.is_set():
+            if not self._known:
                 self._futures.append(future)
                 return future
         self._resolve(future)
