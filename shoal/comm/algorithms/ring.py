@@ -289,7 +289,8 @@ def _blocks_layout(n: int, out: torch.Tensor) -> _Layout:
 def start_reduce_scatter(ch: Channel, out: torch.Tensor, blocks: list[torch.Tensor], op: ReduceOp) -> list:
     """Start the ring reduce-scatter of `blocks` (none over `out`) into `out`; once the returned receives
     are done, `out` holds the reduction, AVG not yet divided (our own sends may read the blocks, and over
-    three ranks or more the channel's scratch, until `ch.flush()`). It uses `scatter_needs(ch.size, out)` frame numbers, from 0, and bytes of scratch."""
+    three ranks or more the channel's scratch, until `ch.flush()`). It uses `scatter_needs(ch.size, out)`
+    frame numbers, from 0, and bytes of scratch."""
     return _ring_reduce_scatter(ch, _blocks_layout(ch.size, out), op, kept=(blocks, out))
 
 
