@@ -3,7 +3,8 @@
 a group that does both, a hierarchy (hierarchy.py): each host reduces in shared memory, the first rank
 of each host runs the ring with the other hosts' first ranks, and each host broadcasts the result in
 shared memory; an all-gather and a reduce-scatter go through shared memory and rings between hosts too,
-where the hosts have the same number of ranks. In such mixed groups the other collectives keep the ring,
+where the hosts have the same number of ranks (the reduce-scatter on two hosts only:
+`_hierarchical_scatter`). In such mixed groups the other collectives keep the ring,
 as do reduce, gather, scatter and all-to-all everywhere (`on_ring`).
 """
 
