@@ -5,6 +5,9 @@ all-reduce), agreement with the ring, mismatched calls that do not hang, and not
 from __future__ import annotations
 
 import os
+import queue
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -13,6 +16,7 @@ import torch
 import shoal
 import shoal.distributed as dist
 from shoal.comm.algorithms import hierarchy
+from shoal.comm.backends import native
 from shoal.comm.shm import arena, futex
 from shoal.comm.shm.region import Region
 from tests.ranks import run_ranks
@@ -113,6 +117,60 @@ def test_ranks_named_onto_several_hosts_reduce_within_each_and_between_them(host
     want = sum(torch.randn(ROUNDS_NUMEL, generator=torch.Generator().manual_seed(r)).double() for r in range(world))
     torch.testing.assert_close(out[0][1].double(), want, rtol=0, atol=1e-5)
     assert all(torch.equal(tensor, out[0][1]) for _, tensor in out.values())  # the leaders' result, broadcast
+
+
+def _send_late(delay_s: float) -> None:
+    """Hand every frame of this process to the transport `delay_s` after the algorithm sends it, in
+    order, as a deep queue in front of a slow link would: an algorithm may count on a send being out
+    only once its channel is flushed. The channel's flush still waits for the late frames."""
+    due: queue.SimpleQueue = queue.SimpleQueue()
+    on_time = native._OpChannel.send
+
+    def send(self: native._OpChannel, dst: int, sub: int, view: memoryview) -> None:
+        self._tracker.add()
+        due.put((time.monotonic() + delay_s, self, dst, sub, view))
+
+    def sender() -> None:
+        while True:
+            at, ch, dst, sub, view = due.get()
+            time.sleep(max(0.0, at - time.monotonic()))
+            try:
+                on_time(ch, dst, sub, view)
+                ch._tracker.settle(None)
+            except BaseException as exc:  # the operation failed meanwhile: its flush raises this
+                ch._tracker.settle(exc)
+
+    native._OpChannel.send = send
+    threading.Thread(target=sender, daemon=True, name="late-sends").start()
+
+
+def _late_on_three_hosts(rank: int, world: int, port: int, numel: int) -> None:
+    os.environ["SHOAL_HOST_ID"] = f"host{rank % 3}"
+    hierarchy.PIECE_BYTES = 256 << 10
+    _send_late(0.02)
+    dist.init_process_group("shoal", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    for seed, op in enumerate(("SUM", "MAX")):
+        inputs = [_data(r, numel, seed=seed) for r in range(world)]
+        tensor = inputs[rank].clone()
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+        _assert_equal(tensor, _reference(inputs, op), f"all_reduce {op}")
+        out = torch.empty(numel)
+        dist.reduce_scatter(out, [_data(rank, numel, seed=seed + 7 * j) for j in range(world)],
+                            op=getattr(dist.ReduceOp, op))
+        _assert_equal(out, _reference([_data(r, numel, seed=seed + 7 * rank) for r in range(world)], op),
+                      f"reduce_scatter {op}")
+    outs = [torch.empty(numel) for _ in range(world)]
+    dist.all_gather(outs, _data(rank, numel, seed=20))
+    for r in range(world):
+        _assert_equal(outs[r], _data(r, numel, seed=20), f"all_gather block {r}")
+    dist.destroy_process_group()
+
+
+def test_hierarchical_collectives_over_three_hosts_are_right_when_sends_go_out_late() -> None:
+    """With two pieces on the network, a piece's receives reuse the scratch of the piece two before while
+    that one's sends may still be queued: they must not read it (the reduce-scatter once did)."""
+    run_ranks(_late_on_three_hosts, 6, ROUNDS_NUMEL, backend=None, timeout=180)
 
 
 def test_a_region_of_another_named_host_is_not_mapped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -382,6 +382,46 @@ def test_reduce_scatter_into_one_of_its_own_blocks(monkeypatch: pytest.MonkeyPat
         _assert_same(got, expected[rank], f"rank {rank}")
 
 
+class _SendsOffScratch:
+    """A channel that refuses to send from the scratch memory it handed out."""
+
+    def __init__(self, ch: _FakeChannel) -> None:
+        self._ch, self._scratch = ch, []
+        self.rank, self.size, self.recv, self.wait, self.flush = ch.rank, ch.size, ch.recv, ch.wait, ch.flush
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        self._scratch.append(self._ch.scratch(nbytes))
+        return self._scratch[-1]
+
+    def send(self, dst: int, sub: int, view: memoryview) -> None:
+        at = torch.frombuffer(view, dtype=torch.uint8).data_ptr() if view.nbytes else 0
+        if any(t.data_ptr() <= at < t.data_ptr() + t.nbytes for t in self._scratch):
+            raise AssertionError(f"rank {self.rank} sent frame {sub} from scratch")
+        self._ch.send(dst, sub, view)
+
+
+@pytest.mark.parametrize(("thresholds", "numel"), [("default", 9000), ("small", 70)])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_reduce_scatter_that_spends_its_blocks_sends_nothing_from_scratch(
+        monkeypatch: pytest.MonkeyPatch, size: int, numel: int, thresholds: str) -> None:
+    """hierarchy.py receives a later piece into a piece's scratch while that piece's sends may be queued."""
+    _set_thresholds(monkeypatch, thresholds)
+    inputs = [x.view(size, numel) for x in _inputs(size, size * numel, torch.int64, ReduceOp.SUM, seed=numel)]
+    expected = _reference([x.clone() for x in inputs], ReduceOp.SUM)
+
+    def body(ch: _FakeChannel) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.int64)
+        handles = ring.start_reduce_scatter(_SendsOffScratch(ch), out, list(inputs[ch.rank].unbind()), ReduceOp.SUM,
+                                            spend_blocks=True)
+        for handle in handles:
+            ch.wait(handle)
+        return out
+
+    results, _ = _run(size, body)
+    for rank, got in enumerate(results):
+        _assert_same(got, expected[rank], f"rank {rank}")
+
+
 @pytest.mark.parametrize(("thresholds", "numel"), _SIZES)
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_all_gather(monkeypatch: pytest.MonkeyPatch, size: int, numel: int, thresholds: str) -> None:

@@ -128,7 +128,10 @@ def reduce_scatter(ch: ring.Channel, placement: Placement, out: torch.Tensor, bl
             a, b = cuts[k]
             reduce_within(a, b)
             between_hosts = Subchannel(ch, between, k * span, scratch[k % _IN_FLIGHT * share:][:share])
-            receives.append(ring.start_reduce_scatter(between_hosts, out[a:b], [p[a:b] for p in partial], op))
+            # Piece k + 2 receives into this piece's scratch while our sends of this one may still be going
+            # out: they must read `partials`, which no later piece touches.
+            receives.append(ring.start_reduce_scatter(between_hosts, out[a:b], [p[a:b] for p in partial], op,
+                                                      spend_blocks=True))
         if k > 0:
             for handle in receives[k - 1]:
                 ch.wait(handle)

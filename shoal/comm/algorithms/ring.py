@@ -76,10 +76,11 @@ class _Layout:
 
 def _ring_reduce_scatter(ch: Channel, layout: _Layout, op: ReduceOp,
                          on_reduced: Callable[[int, torch.Tensor], None] | None = None,
-                         kept: tuple[list[torch.Tensor], torch.Tensor] | None = None) -> list:
+                         kept: tuple[list[torch.Tensor], torch.Tensor] | None = None, spend: bool = False) -> list:
     """Start a ring reduce-scatter; once the returned receives are done, segment `ch.rank` of the
     flat tensor holds the reduction over all ranks. With `kept` = (blocks, out), segment k's input is
-    blocks[k] and is left as it is: partial reductions stay in scratch, and ours lands in `out`.
+    blocks[k] and is left as it is: partial reductions stay in scratch, and ours lands in `out`. With
+    `spend` too, partial reductions go into the blocks instead, so that scratch only receives.
 
     Step s sends segment (rank-s-1) to the right and reduces segment (rank-s-2) from the left, a
     chunk at a time, as each chunk arrives; `on_reduced(c, chunk)` sees each chunk of our own
@@ -103,8 +104,8 @@ def _ring_reduce_scatter(ch: Channel, layout: _Layout, op: ReduceOp,
                 reduced = own(k, c)
                 combine_(reduced, received, op)
             elif s < n - 2:
-                reduced = received
-                combine_(reduced, own(k, c), op)
+                reduced, other = (own(k, c), received) if spend else (received, own(k, c))
+                combine_(reduced, other, op)
             else:
                 reduced = layout.chunk(k, c, kept[1])
                 reduce_into(reduced, [own(k, c), received], op)
@@ -286,12 +287,16 @@ def _blocks_layout(n: int, out: torch.Tensor) -> _Layout:
     return _Layout(torch.empty(0, dtype=out.dtype), [i * out.numel() for i in range(n + 1)])
 
 
-def start_reduce_scatter(ch: Channel, out: torch.Tensor, blocks: list[torch.Tensor], op: ReduceOp) -> list:
+def start_reduce_scatter(ch: Channel, out: torch.Tensor, blocks: list[torch.Tensor], op: ReduceOp, *,
+                         spend_blocks: bool = False) -> list:
     """Start the ring reduce-scatter of `blocks` (none over `out`) into `out`; once the returned receives
     are done, `out` holds the reduction, AVG not yet divided (our own sends may read the blocks, and over
     three ranks or more the channel's scratch, until `ch.flush()`). It uses `scatter_needs(ch.size, out)`
-    frame numbers, from 0, and bytes of scratch."""
-    return _ring_reduce_scatter(ch, _blocks_layout(ch.size, out), op, kept=(blocks, out))
+    frame numbers, from 0, and bytes of scratch.
+
+    With `spend_blocks`, the blocks are the caller's to overwrite: partial sums go into them and are sent
+    from there, so the scratch is free again once the receives are done, though our sends are not."""
+    return _ring_reduce_scatter(ch, _blocks_layout(ch.size, out), op, kept=(blocks, out), spend=spend_blocks)
 
 
 def scatter_needs(n: int, out: torch.Tensor) -> tuple[int, int]:
