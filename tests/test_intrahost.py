@@ -116,7 +116,24 @@ def test_ranks_named_onto_several_hosts_reduce_within_each_and_between_them(host
     assert all(found == tuple((h, h + hosts) for h in range(hosts)) for found, _ in out.values()), out
     want = sum(torch.randn(ROUNDS_NUMEL, generator=torch.Generator().manual_seed(r)).double() for r in range(world))
     torch.testing.assert_close(out[0][1].double(), want, rtol=0, atol=1e-5)
-    assert all(torch.equal(tensor, out[0][1]) for _, tensor in out.values())  # the leaders' result, broadcast
+    assert all(torch.equal(tensor, out[0][1]) for _, tensor in out.values())  # one result, gathered on every rank
+
+
+def _shares_across_a_round(rank: int, world: int, port: int) -> None:
+    os.environ["SHOAL_HOST_ID"] = f"host{rank % 2}"
+    hierarchy.PIECE_BYTES = 1 << 30  # one piece, cut into a share per place
+    dist.init_process_group("shoal", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    numel = 2 * (arena.INPUT_BYTES // 4) + 1  # the first share is an element longer: a round more in the arena
+    inputs = [_data(r, numel) for r in range(world)]
+    tensor = inputs[rank].clone()
+    dist.all_reduce(tensor)
+    _assert_equal(tensor, _reference(inputs, "SUM"), "all_reduce")
+    dist.destroy_process_group()
+
+
+def test_a_hierarchical_all_reduce_whose_shares_take_different_rounds_in_the_arena() -> None:
+    run_ranks(_shares_across_a_round, 4, backend=None, timeout=120)
 
 
 def _send_late(delay_s: float) -> None:

@@ -1,12 +1,17 @@
 """The all-reduce, all-gather and reduce-scatter of a group whose ranks share some hosts and not others:
-each host's share crosses the network once. In the all-reduce only the first rank of each host (its
-leader) talks to other hosts; in the all-gather and the reduce-scatter every rank does, with its own part.
+each host's share crosses the network once. Where every host has the same number of ranks, every rank
+talks to other hosts, with its own part (a stream per place in a host); otherwise only in the all-reduce,
+and only the first rank of each host (its leader) does.
 
-All-reduce: each host reduces in its arena (intrahost.py), the leaders all-reduce over the ring, and each
-host broadcasts the result in its arena. The tensor goes in pieces, so that while the network carries
-one piece the hosts reduce the next and broadcast the one before: where the network is the limit, the
-operation takes about as long as its bytes on the network alone, where one step after another it would
-take that plus two passes over the whole tensor in memory.
+All-reduce: each host reduce-scatters in its arena (intrahost.py), the j-th ranks of all hosts all-reduce
+their share over the ring, and each host all-gathers the shares in its arena; on uneven hosts, each host
+reduces in its arena, the leaders all-reduce over the ring, and each host broadcasts the result. The
+tensor goes in pieces, so that while the network carries one piece the hosts reduce the next and gather
+or broadcast the one before: where the network is the limit, the operation takes about as long as its
+bytes on the network alone, where one step after another it would take that plus two passes over the
+whole tensor in memory. Split over the places, a host's bytes cross in as many streams, sent and reduced
+by as many processes: faster where one process cannot fill the link (docs/benchmarks.md, "Across two
+hosts").
 """
 
 from __future__ import annotations
@@ -28,6 +33,54 @@ _IN_FLIGHT = 2  # pieces on the network at once: the one finishing and the one j
 def all_reduce(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: ReduceOp) -> None:
     """Reduce `flat` with `op` over every rank of the group (AVG is the caller's to divide). Runs in the
     arena's care where this host has one, so that a failure on the network frees its ranks waiting there."""
+    if even(placement):
+        _all_reduce_by_places(ch, placement, flat, op)
+    else:
+        _all_reduce_through_leaders(ch, placement, flat, op)
+
+
+def _all_reduce_by_places(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: ReduceOp) -> None:
+    arena, hosts = placement.arena, placement.hosts
+    host = next(h for h in hosts if ch.rank in h)
+    place = host.index(ch.rank)
+    between = [h[place] for h in hosts]
+    count = max(1, math.ceil(flat.numel() * flat.element_size() / PIECE_BYTES))
+    cuts = list(itertools.pairwise(ring.split(flat.numel(), count)))
+
+    def shares(k: int) -> list[torch.Tensor]:
+        """Piece k cut into one share per place (the first shares one element longer where it does not
+        divide), reduced in place."""
+        a, b = cuts[k]
+        return [flat[a + x:a + y] for x, y in itertools.pairwise(ring.split(b - a, len(host)))]
+
+    largest = shares(0)[0]  # each piece in flight has frame numbers and scratch memory of its own, this size
+    span, size = ring.frames(len(hosts), largest), ring.scratch_bytes(len(hosts), largest)
+    scratch = ch.scratch(min(count, _IN_FLIGHT) * size)
+    receives: list[list] = []
+    for k in range(count + 1):
+        if k < count:
+            ours = shares(k)
+            intrahost.reduce_scatter(arena, ours[place], ours, op)
+            between_hosts = Subchannel(ch, between, k * span, scratch[k % _IN_FLIGHT * size:][:size])
+            receives.append(_start_all_reduce(between_hosts, ours[place], op))
+        if k > 0:
+            for handle in receives[k - 1]:
+                ch.wait(handle)
+            done = shares(k - 1)
+            intrahost.all_gather(arena, done, done[place])
+    ch.flush()  # our last sends may still read `flat`
+
+
+def _start_all_reduce(between: Subchannel, piece: torch.Tensor, op: ReduceOp) -> list:
+    """Start the all-reduce of `piece` between hosts: none left to wait for where it is small (one round of
+    direct exchange, done here)."""
+    if piece.numel() * piece.element_size() <= ring.SMALL_BYTES:
+        ring.all_reduce(between, piece, op)
+        return []
+    return ring.start_all_reduce(between, piece, op)
+
+
+def _all_reduce_through_leaders(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: ReduceOp) -> None:
     arena, leaders = placement.arena, placement.leaders
     count = max(1, math.ceil(flat.numel() * flat.element_size() / PIECE_BYTES))
     pieces = [flat[a:b] for a, b in itertools.pairwise(ring.split(flat.numel(), count))]
@@ -36,21 +89,13 @@ def all_reduce(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: R
         span, share = ring.frames(len(leaders), pieces[0]), ring.scratch_bytes(len(leaders), pieces[0])
         scratch = ch.scratch(min(count, _IN_FLIGHT) * share)
     receives: list[list] = []
-
-    def start(k: int) -> None:
-        between = Subchannel(ch, leaders, k * span, scratch[k % _IN_FLIGHT * share:][:share])
-        if pieces[k].numel() * flat.element_size() <= ring.SMALL_BYTES:
-            ring.all_reduce(between, pieces[k], op)  # one round of direct exchange, done here
-            receives.append([])
-        else:
-            receives.append(ring.start_all_reduce(between, pieces[k], op))
-
     for k in range(count + 1):
         if k < count:
             if arena is not None:
                 intrahost.all_reduce(arena, Segments([pieces[k]]), op)
             if leading:
-                start(k)
+                between = Subchannel(ch, leaders, k * span, scratch[k % _IN_FLIGHT * share:][:share])
+                receives.append(_start_all_reduce(between, pieces[k], op))
         if k > 0:
             if leading:
                 for handle in receives[k - 1]:

@@ -85,35 +85,38 @@ def broadcast(arena: Arena, flat: torch.Tensor, root: int) -> None:
 
 
 def all_gather(arena: Arena, outs: list[torch.Tensor], mine: torch.Tensor) -> None:
-    """`outs` in member order; every rank writes its block and copies everyone else's."""
+    """`outs` in member order; every rank writes its block and copies everyone else's. Blocks may differ
+    in size, each the same on every rank."""
     n, me = arena.size, arena.me
     if outs[me].data_ptr() != mine.data_ptr():  # FSDP2 gathers from its place in the output itself
         outs[me].copy_(mine)
     data = mine.view(torch.uint8)
     targets = [out.view(torch.uint8) for out in outs]
-    for start in _rounds(data.numel(), INPUT_BYTES):
-        stop = min(start + INPUT_BYTES, data.numel())
+    for start in _rounds(max(target.numel() for target in targets), INPUT_BYTES):
+        piece = data[start:start + INPUT_BYTES]
         arena.begin_round()
-        arena.inputs(me)[:stop - start].copy_(data[start:stop])
+        arena.inputs(me)[:piece.numel()].copy_(piece)
         arena.post()
         for m in range(n):
             if m != me:
-                targets[m][start:stop].copy_(arena.inputs(m)[:stop - start])
+                target = targets[m][start:start + INPUT_BYTES]
+                target.copy_(arena.inputs(m)[:target.numel()])
         arena.settle()
 
 
 def reduce_scatter(arena: Arena, out: torch.Tensor, blocks: list[torch.Tensor], op: ReduceOp) -> None:
-    """`blocks` in member order; each rank's region holds a slot per destination, and rank r reduces
-    slot r of every region into `out`."""
+    """`blocks` in member order, each the same size on every rank (ours the size of `out`); each rank's
+    region holds a slot per destination, and rank r reduces slot r of every region into `out`."""
     n, me = arena.size, arena.me
     per_slot = INPUT_BYTES // n // out.element_size()
     slots = [[arena.inputs(m).view(out.dtype)[d * per_slot:(d + 1) * per_slot] for d in range(n)] for m in range(n)]
-    for start in _rounds(out.numel(), per_slot):
+    for start in _rounds(max(block.numel() for block in blocks), per_slot):
         stop = min(start + per_slot, out.numel())
         arena.begin_round()
         for d in range(n):
             if d != me:
-                slots[me][d][:stop - start].copy_(blocks[d][start:stop])
+                piece = blocks[d][start:start + per_slot]
+                slots[me][d][:piece.numel()].copy_(piece)
         arena.post()
         parts = [blocks[me][start:stop] if m == me else slots[m][me][:stop - start] for m in range(n)]
         if stop > start:

@@ -1,10 +1,11 @@
 """The path each collective of a group takes, given where its ranks are (placement.py): shared memory
 (intrahost.py) when they all share one host, the ring (ring.py) when no two do, and for an all-reduce in
-a group that does both, a hierarchy (hierarchy.py): each host reduces in shared memory, the first rank
-of each host runs the ring with the other hosts' first ranks, and each host broadcasts the result in
-shared memory; an all-gather and a reduce-scatter go through shared memory and rings between hosts too,
-where the hosts have the same number of ranks. In such mixed groups the other collectives keep the ring,
-as do reduce, gather, scatter and all-to-all everywhere (`on_ring`).
+a group that does both, a hierarchy (hierarchy.py): each host reduces in shared memory, rings between
+hosts (one per place in a host, or the hosts' first ranks' where hosts differ in size) reduce across
+them, and each host shares the result in shared memory; an all-gather and a reduce-scatter go through
+shared memory and rings between hosts too, where the hosts have the same number of ranks. In such mixed
+groups the other collectives keep the ring, as do reduce, gather, scatter and all-to-all everywhere
+(`on_ring`).
 """
 
 from __future__ import annotations
