@@ -37,7 +37,7 @@ def test_hierarchical_collectives_send_each_hosts_share_across_the_cable_once(
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(4)]
     assert all(all(r["right"].values()) and r["hosts"] == [[0, 1], [2, 3]] for r in results), results
     nbytes = NUMEL * 4
-    # Each host's leader reads its end of the cable. An all-reduce must send the other host the whole tensor
+    # Each host's first rank reads its end of the cable. An all-reduce must send the other host the whole tensor
     # (its host's sums), an all-gather its host's half of the output, a reduce-scatter its host's sums of the
     # other host's half of the input: a flat ring sends 1.5x those.
     for collective, share in (("all_reduce", 1.0), ("all_gather", 0.5), ("reduce_scatter", 0.5)):
