@@ -15,7 +15,7 @@ import torch
 
 import shoal
 import shoal.distributed as dist
-from shoal.comm.algorithms import hierarchy
+from shoal.comm.algorithms import hierarchy, ring
 from shoal.comm.backends import native
 from shoal.comm.shm import arena, futex
 from shoal.comm.shm.region import Region
@@ -101,7 +101,9 @@ def _on_named_hosts(rank: int, world: int, port: int, hosts: int, numel: int) ->
     hierarchy.PIECE_BYTES = 256 << 10  # tens of pieces, two at a time on the network
     dist.init_process_group("shoal", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
-    for small in (1031, 20_000):  # one piece: a direct exchange between hosts, then the ring
+    # One piece: a direct exchange between hosts; an all-reduce's shares either side of the direct exchange's
+    # limit (an element apart); the ring.
+    for small in (1031, 20_000, 2 * (ring.SMALL_BYTES // 4) + 1, 40_000):
         _every_collective(rank, world, small)
     found = _every_collective(rank, world, numel)
     tensor = torch.randn(numel, generator=torch.Generator().manual_seed(rank))

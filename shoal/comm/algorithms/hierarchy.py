@@ -53,8 +53,12 @@ def _all_reduce_by_places(ch: ring.Channel, placement: Placement, flat: torch.Te
         a, b = cuts[k]
         return [flat[a + x:a + y] for x, y in itertools.pairwise(ring.split(b - a, len(host)))]
 
-    largest = shares(0)[0]  # each piece in flight has frame numbers and scratch memory of its own, this size
-    span, size = ring.frames(len(hosts), largest), ring.scratch_bytes(len(hosts), largest)
+    # Each piece in flight has frame numbers and scratch memory of its own. The first share is the longest
+    # and takes the most frames, but a share an element shorter may be small enough for the direct
+    # exchange, whose scratch holds every host's share.
+    largest, smallest = shares(0)[0], shares(count - 1)[-1]
+    span = ring.frames(len(hosts), largest)
+    size = max(ring.scratch_bytes(len(hosts), largest), ring.scratch_bytes(len(hosts), smallest))
     scratch = ch.scratch(min(count, _IN_FLIGHT) * size)
     receives: list[list] = []
     for k in range(count + 1):
@@ -107,8 +111,9 @@ def _all_reduce_through_leaders(ch: ring.Channel, placement: Placement, flat: to
 
 
 def even(placement: Placement) -> bool:
-    """Whether `all_gather` and `reduce_scatter` serve this group: hosts of one size (the rings between
-    hosts carry one block per host), several ranks each (fewer, and the flat ring is as good)."""
+    """Whether the all-reduce goes by places and `all_gather` and `reduce_scatter` serve this group: hosts
+    of one size (the rings between hosts carry one block per host), several ranks each (fewer, and the
+    flat ring is as good)."""
     return len({len(host) for host in placement.hosts}) == 1 and len(placement.hosts[0]) > 1
 
 

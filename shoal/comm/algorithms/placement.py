@@ -49,7 +49,8 @@ class Placement:
 
     @property
     def leaders(self) -> list[int]:
-        """The first rank of each host: the ranks that talk between hosts."""
+        """The first rank of each host: the ranks that talk between hosts in an all-reduce where hosts differ
+        in size."""
         return [host[0] for host in self.hosts]
 
 
