@@ -223,6 +223,7 @@ class Delivery:
                 self._control(Kind.HEARTBEAT)
             finally:
                 self._write_lock.release()
+            self._flush_ack()  # a frame read meanwhile found the lock taken by this heartbeat
 
     def _acknowledged(self, number: int) -> None:
         try:
