@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,16 +90,32 @@ def batched(op: Callable[[], Any], nbytes: int) -> tuple[Callable[[], None], int
 def slowest_call(ops: dict[str, Callable[[], Any]], nbytes: int, repeats: int,
                  barrier: Callable[[], Any]) -> dict[str, float]:
     """Seconds per call of each communication op on `nbytes`: batches of it (`batched`) timed in turn
-    (`interleaved`), the median batch divided by its length, the slowest rank's (over torch.distributed's
-    default group, which every rank must be in)."""
+    (`interleaved`) with the garbage collector paused (`_collector_paused`), the median batch divided by its
+    length, the slowest rank's (over torch.distributed's default group, which every rank must be in)."""
     import torch
     import torch.distributed as tdist
 
     batches = {label: batched(op, nbytes) for label, op in ops.items()}
-    medians = interleaved({label: batch for label, (batch, _) in batches.items()}, repeats, barrier)
+    with _collector_paused():
+        medians = interleaved({label: batch for label, (batch, _) in batches.items()}, repeats, barrier)
     times = {}
     for label, (_, count) in batches.items():
         seconds = torch.tensor([medians[label] / count], dtype=torch.float64)
         tdist.all_reduce(seconds, op=tdist.ReduceOp.MAX)  # the slowest rank sets the pace
         times[label] = seconds.item()
     return times
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Time without Python's garbage collector, as `timeit` does: a full collection of a process that has
+    imported torch takes 75-100 ms here, and lands on whichever op is running (all ranks wait for the rank
+    collecting), however little that op allocates; collected once before."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
