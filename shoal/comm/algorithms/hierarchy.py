@@ -41,10 +41,8 @@ def all_reduce(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: R
 
 def _all_reduce_by_places(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: ReduceOp) -> None:
     arena, hosts = placement.arena, placement.hosts
-    host = next(h for h in hosts if ch.rank in h)
-    place = host.index(ch.rank)
-    between = [h[place] for h in hosts]
-    count = max(1, math.ceil(flat.numel() * flat.element_size() / PIECE_BYTES))
+    host, place, between = _seat(ch.rank, hosts)
+    count = _pieces(flat.numel() * flat.element_size())
     cuts = list(itertools.pairwise(ring.split(flat.numel(), count)))
 
     def shares(k: int) -> list[torch.Tensor]:
@@ -86,7 +84,7 @@ def _start_all_reduce(between: Subchannel, piece: torch.Tensor, op: ReduceOp) ->
 
 def _all_reduce_through_leaders(ch: ring.Channel, placement: Placement, flat: torch.Tensor, op: ReduceOp) -> None:
     arena, leaders = placement.arena, placement.leaders
-    count = max(1, math.ceil(flat.numel() * flat.element_size() / PIECE_BYTES))
+    count = _pieces(flat.numel() * flat.element_size())
     pieces = [flat[a:b] for a, b in itertools.pairwise(ring.split(flat.numel(), count))]
     leading = ch.rank in leaders
     if leading:  # each piece in flight has frame numbers and scratch memory of its own
@@ -110,6 +108,19 @@ def _all_reduce_through_leaders(ch: ring.Channel, placement: Placement, flat: to
         ch.flush()  # our last sends may still read `flat`
 
 
+def _seat(rank: int, hosts: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], int, list[int]]:
+    """`rank`'s host, its place in that host, and the ranks at that place on every host (its ring between
+    hosts)."""
+    host = next(h for h in hosts if rank in h)
+    place = host.index(rank)
+    return host, place, [h[place] for h in hosts]
+
+
+def _pieces(nbytes: int) -> int:
+    """How many pieces of about `PIECE_BYTES` an operation moving `nbytes` between hosts goes in."""
+    return max(1, math.ceil(nbytes / PIECE_BYTES))
+
+
 def even(placement: Placement) -> bool:
     """Whether the all-reduce goes by places and `all_gather` and `reduce_scatter` serve this group: hosts
     of one size (the rings between hosts carry one block per host), several ranks each (fewer, and the
@@ -124,11 +135,10 @@ def all_gather(ch: ring.Channel, placement: Placement, outs: list[torch.Tensor],
     in pieces, the hosts gathering one while the network carries the next, and runs in the arena's care
     (see `all_reduce`)."""
     arena, hosts = placement.arena, placement.hosts
-    place = next(h for h in hosts if ch.rank in h).index(ch.rank)
+    _, place, between = _seat(ch.rank, hosts)
     if outs[ch.rank].data_ptr() != mine.data_ptr():  # FSDP2 gathers from its place in the output itself
         outs[ch.rank].copy_(mine)
-    between = [host[place] for host in hosts]
-    count = max(1, math.ceil(len(hosts) * mine.numel() * mine.element_size() / PIECE_BYTES))
+    count = _pieces(len(hosts) * mine.numel() * mine.element_size())
     cuts = list(itertools.pairwise(ring.split(mine.numel(), count)))
     span = ring.gather_frames(len(hosts), mine[:cuts[0][1]])  # the first piece is the largest
     receives: list[list] = []
@@ -156,10 +166,9 @@ def reduce_scatter(ch: ring.Channel, placement: Placement, out: torch.Tensor, bl
     place in a host. It goes in pieces, the network carrying one while the hosts reduce the next, and runs
     in the arena's care (see `all_reduce`)."""
     arena, hosts = placement.arena, placement.hosts
-    place = next(h for h in hosts if ch.rank in h).index(ch.rank)
-    between = [host[place] for host in hosts]
+    between = _seat(ch.rank, hosts)[2]
     partial = [partials[i * out.numel():(i + 1) * out.numel()] for i in range(len(hosts))]
-    count = max(1, math.ceil(len(hosts) * out.numel() * out.element_size() / PIECE_BYTES))
+    count = _pieces(len(hosts) * out.numel() * out.element_size())
     cuts = list(itertools.pairwise(ring.split(out.numel(), count)))
 
     def reduce_within(a: int, b: int) -> None:
