@@ -147,6 +147,7 @@ def test_a_periodic_optimizer_undoes_the_period_a_worker_was_lost_in_and_admits_
     steps = re.search(r" steps (\d+) ", finals["[rank0]"])[1]
     assert finals["[rank0]"].startswith("samples 183 missing 0 twice 0 ")
     assert finals["[rank0]"].endswith(f" scheduler {steps}")  # undone with the period: stepped once a step
+    assert f" steps {steps} counted {steps} " in finals["[rank0]"]  # and so is the optimizer's own count
 
 
 def test_with_min_workers_the_survivors_wait_for_each_lost_worker_started_again() -> None:

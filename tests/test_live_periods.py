@@ -55,6 +55,8 @@ def _train(rank: int, world: int, _: int, store_port: int, kind: str, epochs: in
             if step.synchronized:
                 final.append(live.steps)
     live.close()
+    counted = optimizer.local_steps if kind == "diloco" else optimizer.averager.step
+    assert counted == live.steps, f"the optimizer counted {counted} steps of {live.steps}"
     return final, [p.detach().clone() for p in model.parameters()]
 
 

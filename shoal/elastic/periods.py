@@ -51,8 +51,13 @@ class Periods:
             self.optimizer.averager.process_group = group
 
     def step(self, sampler: ElasticSampler) -> bool:
-        """One local step; whether it ends the period (its last step, or the epoch's)."""
+        """One local step, counted where the optimizer counts its own (in its state dict, so a discarded period
+        takes it back); whether it ends the period (its last step, or the epoch's)."""
         self._local.step()
+        if isinstance(self.optimizer, DiLoCoOptimizer):
+            self.optimizer.local_steps += 1
+        else:
+            self.optimizer.averager.step += 1
         self.taken += 1
         return self.taken == self.length or (sampler.handed_out_all and sampler.uncommitted == self.taken)
 

@@ -135,7 +135,12 @@ for epoch in live.epochs(args.epochs):
             if periodic:
                 print(f"final {live.steps} state {digest()}", flush=True)
 once = len(set(trained))
+counted = ""  # the steps a periodic optimizer counted itself, undone with a period as LiveTraining's are
+if args.diloco:
+    counted = f" counted {trainer.local_steps}"
+if args.post_local_sgd:
+    counted = f" counted {trainer.averager.step}"
 print(f"samples {once} missing {args.epochs * len(data) - once} twice {len(trained) - once} "
-      f"generation {live.generation.number} of {live.generation.size} steps {live.steps} state {digest()} "
+      f"generation {live.generation.number} of {live.generation.size} steps {live.steps}{counted} state {digest()} "
       f"scheduler {scheduler.last_epoch}")
 live.close()
