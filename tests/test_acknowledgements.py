@@ -1,6 +1,7 @@
-"""A frame the sender asked to have acknowledged at once is, whichever writer holds the link when it
-arrives: the sender's operation waits for that acknowledgement, so one left lying costs it until our
-next write, up to a heartbeat interval later."""
+"""A link acknowledges every frame its peer asked to have acknowledged at once, whichever writer holds the
+link when the frame arrives and across a healed connection: the sender's operation waits for that
+acknowledgement, so one left lying costs it until our next write, up to a heartbeat interval later. And a
+frame sent once the goodbye is queued is refused at once, not left waiting for a send thread that has ended."""
 
 from __future__ import annotations
 
@@ -10,17 +11,25 @@ from collections.abc import Iterator
 
 import pytest
 
-from shoal.comm.transport.frame_header import SIZE, FrameHeader, Kind
+from shoal.comm.transport.frame_header import ACK_NOW, SIZE, FrameHeader, Kind
+from shoal.comm.transport.frames import SendTracker
 from shoal.comm.transport.link import PeerLink
+from shoal.errors import PeerFailure
+
+
+def _connected() -> tuple[socket.socket, socket.socket]:
+    """Both ends of a TCP connection on 127.0.0.1."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    ours = socket.create_connection(listener.getsockname())
+    theirs, _ = listener.accept()
+    listener.close()
+    return ours, theirs
 
 
 @pytest.fixture
 def link_and_peer() -> Iterator[tuple[PeerLink, socket.socket]]:
     """A link (no threads started) over a real TCP connection, and the peer's end of it."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    ours = socket.create_connection(listener.getsockname())
-    theirs, _ = listener.accept()
-    listener.close()
+    ours, theirs = _connected()
     link = PeerLink(owner=None, rank=1, sock=ours, dialer=False, peer_port=0, heal_timeout=1.0)
     try:
         yield link, theirs
@@ -63,3 +72,42 @@ def test_a_frame_that_arrives_while_a_heartbeat_is_written_is_acknowledged_when_
     headers = _headers_written(peer)
     assert headers[0].kind == Kind.HEARTBEAT and headers[0].ack == 0
     assert max(header.ack for header in headers) == 1, f"frame 1 was never acknowledged: {headers}"
+
+
+class _Redialled:
+    """A link's owner whose redial hands over `new`, the peer saying it has received nothing."""
+
+    closed = False
+
+    def __init__(self, new: socket.socket) -> None:
+        self._new = new
+
+    def redial(self, link, address, deadline):
+        return self._new, 0
+
+
+def test_a_healed_link_acknowledges_again_what_it_acknowledged_on_the_connection_that_dropped() -> None:
+    old, old_theirs = _connected()
+    new, new_theirs = _connected()
+    link = PeerLink(owner=_Redialled(new), rank=1, sock=old, dialer=True, peer_port=0, heal_timeout=1.0)
+    try:
+        # Frame 1 is in, and its acknowledgement went out on the old connection after the peer had stopped
+        # reading it: the peer replays frame 1, which we drop as one we have.
+        link.received, link._acked_out = 1, 1
+        link._heal(old, ConnectionResetError("reset by a test"))  # as the reader does
+        link._outbox.put(None)
+        link._send_loop()  # what the heal queued, on this thread
+        headers = _headers_written(new_theirs)
+        assert any(header.kind == Kind.ACK and header.ack == 1 for header in headers), headers
+    finally:
+        for sock in (old, old_theirs, new, new_theirs):
+            sock.close()
+
+
+def test_a_frame_sent_while_the_goodbye_is_queued_is_refused_not_left_waiting(link_and_peer) -> None:
+    link, _ = link_and_peer
+    goodbye, late = SendTracker(), SendTracker()
+    link.finish(goodbye)  # the send thread would write the goodbye, then end
+    link.send(FrameHeader(Kind.DATA, 1, flags=ACK_NOW), memoryview(b"x"), late)
+    with pytest.raises(PeerFailure, match="closed its connection"):
+        late.wait(time.monotonic() + 2, "a frame sent after the goodbye")

@@ -53,12 +53,14 @@ class Delivery:
     _sock: socket.socket
     _outbox: queue.SimpleQueue
     _queued: int
+    _finished: bool
     _write_lock: threading.Lock
     _state: threading.Lock
     _window: collections.deque[Frame]
     _next_number: int
     _broken: bool
     _replay_due: bool
+    _reacknowledge: bool
     _retired: list[socket.socket]
     _gone: PeerFailure | None
     _acked_out: int
@@ -79,7 +81,7 @@ class Delivery:
                 and self._write_lock.acquire(blocking=False)):
             try:
                 with self._state:
-                    idle = self._queued == 0
+                    idle = self._queued == 0 and not self._finished  # after the goodbye, refused below
                 if idle:
                     self._write(header, payload, tracker)
                     return
@@ -89,17 +91,24 @@ class Delivery:
         self._enqueue(header, payload, tracker)
 
     def _enqueue(self, header: FrameHeader | None, payload: memoryview, tracker: SendTracker | None) -> None:
-        """Queue a frame for the send thread; header None asks it only to write what is due (replay, ack)."""
-        with self._state:
-            self._queued += 1
-        self._outbox.put((header, payload, tracker))
+        """Queue a frame for the send thread; header None asks it only to write what is due (replay, ack).
+        After `finish`, the send thread is gone: the frame is refused, its tracker settled with the error."""
+        with self._state:  # held while putting, so that nothing lands behind the send thread's last item
+            finished = self._finished
+            if not finished:
+                self._queued += 1
+                self._outbox.put((header, payload, tracker))
+        if finished and tracker is not None:
+            tracker.settle(PeerFailure(self.rank, "this rank closed its connection to it"))
 
     def finish(self, tracker: SendTracker) -> None:
         """Say goodbye after everything queued, then let the send thread end; `tracker` settles when
         the peer has the goodbye."""
         tracker.add()
         self._enqueue(FrameHeader(Kind.BYE, flags=ACK_NOW), memoryview(b""), tracker)
-        self._outbox.put(None)
+        with self._state:
+            self._finished = True
+            self._outbox.put(None)
 
     def _send_loop(self) -> None:
         while True:
@@ -141,13 +150,15 @@ class Delivery:
         self._transmit_all(frames, sock)
 
     def _write_due(self) -> None:
-        """Replay the window onto a new connection, or write an acknowledgement that is due. The caller
-        holds the write lock."""
+        """Replay the window onto a new connection, or write an acknowledgement that is due (on a new
+        connection, always one: see `Healing._heal`). The caller holds the write lock."""
         with self._state:
             retired, self._retired = self._retired, []
             usable = not self._broken and self._gone is None
             replay = usable and self._replay_due
             self._replay_due = self._replay_due and not usable
+            reacknowledge = usable and self._reacknowledge
+            self._reacknowledge = self._reacknowledge and not usable
             sock = self._sock
             frames = list(self._window) if replay else []
         for old in retired:
@@ -156,7 +167,7 @@ class Delivery:
             return
         if frames:
             self._transmit_all(frames, sock)
-        elif self.received > self._acked_out:
+        elif self.received > self._acked_out or reacknowledge:
             self._transmit(Frame(FrameHeader(Kind.ACK), 0, memoryview(b""), None), sock)
 
     def _transmit_all(self, frames: list[Frame], sock: socket.socket) -> None:

@@ -48,6 +48,7 @@ class Healing:
     _state_changed: threading.Condition
     _broken: bool
     _replay_due: bool
+    _reacknowledge: bool
     _replacement: tuple[socket.socket, int] | None
     _retired: list[socket.socket]
     _gone: PeerFailure | None
@@ -101,6 +102,9 @@ class Healing:
                 raise self._gone or PeerFailure(self.rank, "the transport closed while the link healed")
             self._sock, self._broken = new, False
             self._replay_due = bool(self._window)
+            # Our last acknowledgement may have gone out on the old connection after the peer stopped reading
+            # it; the peer then replays a frame we have, which we drop, and would wait for our next write.
+            self._reacknowledge = True
             self.last_heard = time.monotonic()
         self._enqueue(None, memoryview(b""), None)  # the send thread replays (never the reader: see send)
         log.info("connection to rank %d restored", self.rank)

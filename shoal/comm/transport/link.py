@@ -61,6 +61,7 @@ class PeerLink(Delivery, Reading, Healing):
         self._heal_timeout = heal_timeout
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queued = 0  # frames put in the outbox and not yet written; guarded by _state
+        self._finished = False  # the goodbye is queued and the send thread ends after it; guarded by _state
         # One writer at a time (the send thread, an inline sender, an acknowledgement): frames are
         # numbered in the order they are written, and the lane has one writer.
         self._write_lock = threading.Lock()
@@ -74,6 +75,7 @@ class PeerLink(Delivery, Reading, Healing):
         self._next_number = 1
         self._broken = False  # the socket failed; frames wait in the window until a new one is in
         self._replay_due = False  # a new socket is in; the window goes out before anything else
+        self._reacknowledge = False  # a new socket is in; an acknowledgement goes out on it (Healing._heal)
         self._replacement: tuple[socket.socket, int] | None = None  # a redial the peer made to us
         # Connections replaced, shut down but not closed: a writer may still hold one, and closing it
         # would free its descriptor number for reuse under that writer. Closed under the write lock.
