@@ -90,13 +90,13 @@ def batched(op: Callable[[], Any], nbytes: int) -> tuple[Callable[[], None], int
 def slowest_call(ops: dict[str, Callable[[], Any]], nbytes: int, repeats: int,
                  barrier: Callable[[], Any]) -> dict[str, float]:
     """Seconds per call of each communication op on `nbytes`: batches of it (`batched`) timed in turn
-    (`interleaved`) with the garbage collector paused (`_collector_paused`), the median batch divided by its
+    (`interleaved`) with the garbage collector paused (`collector_paused`), the median batch divided by its
     length, the slowest rank's (over torch.distributed's default group, which every rank must be in)."""
     import torch
     import torch.distributed as tdist
 
     batches = {label: batched(op, nbytes) for label, op in ops.items()}
-    with _collector_paused():
+    with collector_paused():
         medians = interleaved({label: batch for label, (batch, _) in batches.items()}, repeats, barrier)
     times = {}
     for label, (_, count) in batches.items():
@@ -107,7 +107,7 @@ def slowest_call(ops: dict[str, Callable[[], Any]], nbytes: int, repeats: int,
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Time without Python's garbage collector, as `timeit` does: a full collection of a process that has
     imported torch takes 75-100 ms here, and lands on whichever op is running (all ranks wait for the rank
     collecting), however little that op allocates; collected once before."""

@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
-from benchmarks._steps import batched, interleaved, training_step
+from benchmarks._steps import batched, collector_paused, interleaved, training_step
 from tests.ranks import run_ranks
 
 SIZES = {"4MiB": 4 << 20, "64MiB": 64 << 20}
@@ -93,7 +93,8 @@ def _worker(rank: int, world_size: int, port: int, sizes: list[str], repeats: in
         for name, call in (("all_gather_into_tensor", partial(tdist.all_gather_into_tensor, big, small)),
                            ("reduce_scatter_tensor", partial(tdist.reduce_scatter_tensor, small, big))):
             batches = {backend: batched(partial(call, group=group), nbytes) for backend, group in groups.items()}
-            medians = interleaved({b: batch for b, (batch, _) in batches.items()}, repeats, barrier)
+            with collector_paused():
+                medians = interleaved({b: batch for b, (batch, _) in batches.items()}, repeats, barrier)
             rows.append(("op", f"{name} {label}", nbytes,
                          {b: slowest(medians[b] / batches[b][1]) for b in BACKENDS}))
     medians = interleaved(_steps(rank, groups), steps, barrier)

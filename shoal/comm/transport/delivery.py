@@ -99,16 +99,23 @@ class Delivery:
                 self._queued += 1
                 self._outbox.put((header, payload, tracker))
         if finished and tracker is not None:
-            tracker.settle(PeerFailure(self.rank, "this rank closed its connection to it"))
+            tracker.settle(self._closed())
 
     def finish(self, tracker: SendTracker) -> None:
         """Say goodbye after everything queued, then let the send thread end; `tracker` settles when
-        the peer has the goodbye."""
+        the peer has the goodbye. From here on, frames are refused."""
         tracker.add()
-        self._enqueue(FrameHeader(Kind.BYE, flags=ACK_NOW), memoryview(b""), tracker)
         with self._state:
-            self._finished = True
-            self._outbox.put(None)
+            finished, self._finished = self._finished, True
+            if not finished:
+                self._queued += 1
+                self._outbox.put((FrameHeader(Kind.BYE, flags=ACK_NOW), memoryview(b""), tracker))
+                self._outbox.put(None)
+        if finished:
+            tracker.settle(self._closed())
+
+    def _closed(self) -> PeerFailure:
+        return PeerFailure(self.rank, "this rank closed its connection to it")
 
     def _send_loop(self) -> None:
         while True:
