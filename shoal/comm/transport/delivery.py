@@ -90,32 +90,27 @@ class Delivery:
                 self._flush_ack()
         self._enqueue(header, payload, tracker)
 
-    def _enqueue(self, header: FrameHeader | None, payload: memoryview, tracker: SendTracker | None) -> None:
+    def _enqueue(self, header: FrameHeader | None, payload: memoryview, tracker: SendTracker | None, *,
+                 last: bool = False) -> None:
         """Queue a frame for the send thread; header None asks it only to write what is due (replay, ack).
-        After `finish`, the send thread is gone: the frame is refused, its tracker settled with the error."""
+        `last` lets the send thread end after it; from then on frames are refused, their trackers settled
+        with the error."""
         with self._state:  # held while putting, so that nothing lands behind the send thread's last item
-            finished = self._finished
-            if not finished:
+            refused = self._finished
+            if not refused:
                 self._queued += 1
                 self._outbox.put((header, payload, tracker))
-        if finished and tracker is not None:
-            tracker.settle(self._closed())
+                if last:
+                    self._finished = True
+                    self._outbox.put(None)
+        if refused and tracker is not None:
+            tracker.settle(PeerFailure(self.rank, "this rank closed its connection to it"))
 
     def finish(self, tracker: SendTracker) -> None:
         """Say goodbye after everything queued, then let the send thread end; `tracker` settles when
         the peer has the goodbye. From here on, frames are refused."""
         tracker.add()
-        with self._state:
-            finished, self._finished = self._finished, True
-            if not finished:
-                self._queued += 1
-                self._outbox.put((FrameHeader(Kind.BYE, flags=ACK_NOW), memoryview(b""), tracker))
-                self._outbox.put(None)
-        if finished:
-            tracker.settle(self._closed())
-
-    def _closed(self) -> PeerFailure:
-        return PeerFailure(self.rank, "this rank closed its connection to it")
+        self._enqueue(FrameHeader(Kind.BYE, flags=ACK_NOW), memoryview(b""), tracker, last=True)
 
     def _send_loop(self) -> None:
         while True:
