@@ -1,6 +1,6 @@
 """A link acknowledges every frame its peer asked to have acknowledged at once, whichever writer holds the
 link when the frame arrives and across a healed connection: the sender's operation waits for that
-acknowledgement, so one left lying costs it until our next write, up to a heartbeat interval later. And a
+acknowledgement, so one left lying costs it until our next write, up to about two heartbeat intervals. And a
 frame sent once the goodbye is queued is refused at once, not left waiting for a send thread that has ended."""
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def test_a_healed_link_acknowledges_again_what_it_acknowledged_on_the_connection
         link._heal(old, ConnectionResetError("reset by a test"))  # as the reader does
         link._outbox.put(None)
         link._send_loop()  # what the heal queued, on this thread
+
         def acknowledged(headers: list[FrameHeader]) -> bool:
             return any(header.kind == Kind.ACK and header.ack == 1 for header in headers)
 
