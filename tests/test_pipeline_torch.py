@@ -1,7 +1,8 @@
 """shoal.pipeline beside torch.distributed.pipelining: the same program (stages passing two tensors, a
 chunked keyword argument, losses, eval, scale_grads both ways) gives the same outputs, losses and
 gradients on torch (gloo) and on shoal, for every schedule: one stage per rank, several looped, two in a
-V, backwards whole or split in halves; and each schedule's order per rank is torch's, and cannot deadlock.
+V, backwards whole or split in halves; each schedule's order per rank is torch's, and cannot deadlock; and
+torch's own pipelining trains on backend "shoal" as it does on gloo.
 """
 
 from __future__ import annotations
@@ -137,6 +138,34 @@ def test_every_schedule_trains_as_torchs_pipelining_does(world: int) -> None:
             _assert_close(mine, torchs, f"rank {rank}, {case}")
     last_rank = world - 1 if CASES[world][0][1] == 1 else 0
     assert outcomes[last_rank][0][0][0]["out"].shape == (12, 3)  # the last stage's merged output is there
+
+
+def _torchs_on(rank: int, world: int, backend: str, port: int, cases: list[tuple]) -> list:
+    import torch.distributed as torch_dist
+    import torch.distributed.pipelining as torch_pp
+
+    import shoal  # noqa: F401 - registers backend "shoal"
+
+    torch_dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        return [_train(rank, world, torch_pp, *case) for case in cases]
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def _torchs_on_both(rank: int, world: int, ports: tuple[int, int], cases: list[tuple]) -> tuple[list, list]:
+    return (_torchs_on(rank, world, "shoal", ports[0], cases), _torchs_on(rank, world, "gloo", ports[1], cases))
+
+
+def test_torchs_own_pipelining_trains_on_backend_shoal_as_on_gloo() -> None:
+    """Every schedule's sends and receives (batch_isend_irecv of several at once in the V-shaped ones)
+    through shoal's torch backend give gloo's outputs, losses and gradients."""
+    from shoal.ports import free_port
+
+    outcomes = run_ranks(_torchs_on_both, 2, (free_port(), free_port()), CASES[2], timeout=240)
+    for rank, (on_shoal, on_gloo) in outcomes.items():
+        for case, ours, theirs in zip(CASES[2], on_shoal, on_gloo, strict=True):
+            _assert_close(ours, theirs, f"rank {rank}, {case}")
 
 
 def _one_rank_many_stages(rank: int, world: int) -> tuple[list, torch.Tensor]:
