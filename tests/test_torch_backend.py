@@ -180,8 +180,6 @@ def _point_to_point_and_work(rank: int, world: int) -> dict:
     assert objects == [{"rank": r} for r in range(world)]
     with pytest.raises(TypeError, match="BAND takes integer or bool tensors"):
         tdist.all_reduce(torch.ones(1), op=tdist.ReduceOp.BAND)
-    with pytest.raises(ValueError, match="give src"):
-        tdist.recv(torch.empty(1))
     return {"backend": tdist.get_backend(), "world": tdist.get_world_size()}
 
 

@@ -95,17 +95,21 @@ def send_object_list(group: ProcessGroup, object_list: list[Any], dst: int, *,
         group.send(_as_tensor(b"".join(pieces)).to(device), dst, _OBJECT_TAG).wait()
 
 
-def recv_object_list(group: ProcessGroup, object_list: list[Any], src: int, *,
-                     device: torch.device | None = None) -> None:
-    """`object_list` becomes what `src` sent with `send_object_list` (a list of the same length)."""
+def recv_object_list(group: ProcessGroup, object_list: list[Any], src: int | None, *,
+                     device: torch.device | None = None) -> int:
+    """`object_list` becomes what `src` (None: whichever rank sends first) sent with `send_object_list` (a
+    list of the same length); returns the sender's global rank."""
     device = device or group.device
     lengths = torch.zeros(len(object_list), dtype=torch.int64, device=device)
-    group.recv(lengths, src, _OBJECT_TAG).wait()
+    work = group.recv(lengths, src, _OBJECT_TAG)
+    work.wait()
+    src = work.source_rank() if src is None else src  # the payload comes from the same sender
     sizes = lengths.tolist()
     if sizes:
         payload = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         group.recv(payload, src, _OBJECT_TAG).wait()
         object_list[:] = _unpickled_runs(payload, sizes)
+    return src
 
 
 def _exchange_lengths(group: ProcessGroup, obj: Any) -> tuple[bytes, list[int]]:

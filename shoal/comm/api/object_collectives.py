@@ -55,9 +55,8 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: Proc
 @members_only(outside=-1)
 def recv_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None,
                      device: torch.device | None = None, group_src: int | None = None, use_batch: bool = False) -> int:
-    """Fill `object_list` with what `src` sent with `send_object_list`; returns `src`, as torch returns the
-    sender (receiving from any source is not supported: give src)."""
+    """Fill `object_list` with what `src` sent with `send_object_list`, or (neither `src` nor `group_src`
+    given) what the first rank to send one sent; returns the sender's global rank, as torch does."""
     group = _group(group)
-    sender = root(group, src, group_src, "src")
-    objects.recv_object_list(group, object_list, sender, device=device)
-    return sender
+    sender = None if src is None and group_src is None else root(group, src, group_src, "src")
+    return objects.recv_object_list(group, object_list, sender, device=device)

@@ -1,6 +1,6 @@
 """Point-to-point: a tensor from one rank to another, blocking or not, one at a time or in batches. The
-peer is a global rank (`src`, `dst`) or the group's own (`group_src`, `group_dst`); receiving from any
-source is not supported (give src)."""
+peer is a global rank (`src`, `dst`) or the group's own (`group_src`, `group_dst`); a receive given neither
+takes the first message with its tag from any rank."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ def send(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | Non
 @members_only(outside=-1)
 def recv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
          group_src: int | None = None) -> int:
-    """Receive into `tensor` from `src`; returns `src`, as torch's recv returns the sender."""
-    group = _group(group)
-    src = root(group, src, group_src, "src")
-    group.recv(tensor, src, tag, async_op=False).wait()
-    return src
+    """Receive into `tensor` from `src`, or from any rank when neither `src` nor `group_src` is given; returns
+    the sender's global rank, as torch's recv does."""
+    work = irecv(tensor, src, group, tag, group_src)
+    work.wait()
+    return work.source_rank() if src is None and group_src is None else root(_group(group), src, group_src, "src")
 
 
 @members_only()
@@ -41,8 +41,11 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | No
 @members_only()
 def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0,
           group_src: int | None = None) -> Work:
+    """Start a receive from `src`, or from any rank when neither `src` nor `group_src` is given (the Work's
+    `source_rank()` then names it)."""
     group = _group(group)
-    return group.recv(tensor, root(group, src, group_src, "src"), tag)
+    any_source = src is None and group_src is None
+    return group.recv(tensor, None if any_source else root(group, src, group_src, "src"), tag)
 
 
 @dataclass

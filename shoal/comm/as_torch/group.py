@@ -287,7 +287,9 @@ class TorchGroup(tdist.ProcessGroup):
 
     @_by_device
     def recv_anysource(self, tensors, tag):
-        raise ValueError("recv from any source is not supported by the shoal backend: give src")
+        tensor = _one(tensors, "recv")
+        work = self.shoal_group.recv(tensor, None, tag)
+        return TorchWork(work, [tensor], source=lambda: self.shoal_group.group_rank(work.source_rank(), "src"))
 
     # the names torch before 2.13 dispatches by (see _OLD_NAMES)
     _allgather_base = all_gather_single

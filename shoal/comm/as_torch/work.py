@@ -34,9 +34,11 @@ class TorchWork(tdist.Work):
     futures complete after it, on resolver threads (resolvers.py), and the Work counts as done, for `wait`,
     only after they have, as gloo's does."""
 
-    def __init__(self, work: Work, result: list[torch.Tensor], then: Callable[[], None] | None = None) -> None:
+    def __init__(self, work: Work, result: list[torch.Tensor], then: Callable[[], None] | None = None, *,
+                 source: Callable[[], int] | None = None) -> None:
         super().__init__()
         self._work = work
+        self._source = source  # a receive from any source: the group rank it took its message from
         self._result = result
         self._then = then
         self._settling = threading.Lock()
@@ -87,6 +89,13 @@ class TorchWork(tdist.Work):
 
     def is_completed(self) -> bool:
         return self._settled.is_set()
+
+    def _source_rank(self) -> int:
+        """What torch's `recv(src=None)` returns: the group rank of the sender, once waited for."""
+        if self._source is None:
+            raise ValueError("sourceRank() may only be called on work objects that correspond to a recv from "
+                             "any source")
+        return self._source()
 
     def is_success(self) -> bool:
         return self._settled.is_set() and self._error is None

@@ -240,10 +240,18 @@ class C10dProcessGroup(ProcessGroup):
         work = self._engine.send([staged(tensor, self._host_only)[0]], dst, tag)
         return self._wrap("send", work, peer=self.ranks[dst], tag=tag)
 
-    def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work:
+    def _start_recv(self, tensor: torch.Tensor, src: int | None, tag: int, blocking: bool) -> Work:
         t, back = staged(tensor, self._host_only)
-        work = self._engine.recv([t], src, tag)
-        return self._wrap("recv", work, back, peer=self.ranks[src], tag=tag)
+        if src is not None:
+            return self._wrap("recv", self._engine.recv([t], src, tag), back, peer=self.ranks[src], tag=tag)
+        work = self._engine.recv_anysource([t], tag)
+
+        def landed() -> None:
+            back()
+            wrapped.received_from(self.ranks[work._source_rank()])
+
+        wrapped = self._wrap("recv", work, landed, tag=tag)
+        return wrapped
 
     def new_subgroup(self, ranks: Sequence[int], timeout: timedelta | None = None, *,
                      name: str | None = None) -> C10dProcessGroup | None:

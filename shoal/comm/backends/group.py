@@ -149,13 +149,16 @@ class ProcessGroup(abc.ABC):
         _check_tensor(tensor, "send")
         return self._start_send(tensor, self._peer(dst, "dst"), _check_tag(tag), blocking=not async_op)
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, *, async_op: bool = True) -> Work:
+    def recv(self, tensor: torch.Tensor, src: int | None, tag: int = 0, *, async_op: bool = True) -> Work:
+        """Receive into `tensor` from global rank `src`, or from whichever rank's message with `tag` comes
+        first when `src` is None (the Work's `source_rank()` then names it)."""
         _check_tensor(tensor, "recv")
-        return self._start_recv(tensor, self._peer(src, "src"), _check_tag(tag), blocking=not async_op)
+        peer = None if src is None else self._peer(src, "src")
+        return self._start_recv(tensor, peer, _check_tag(tag), blocking=not async_op)
 
     def _peer(self, global_rank: int | None, role: str) -> int:
         if global_rank is None:
-            raise ValueError(f"{role} must be given: receiving from any source is not supported")
+            raise ValueError(f"{role} must be given")
         peer = self.group_rank(global_rank, role)
         if peer == self.rank:
             raise ValueError(f"{role}={global_rank} is this rank itself; point-to-point needs another rank")
@@ -211,7 +214,8 @@ class ProcessGroup(abc.ABC):
     def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work: ...
 
     @abc.abstractmethod
-    def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work: ...
+    def _start_recv(self, tensor: torch.Tensor, src: int | None, tag: int, blocking: bool) -> Work:
+        """`src` a group rank, or None: from any source."""
 
     @abc.abstractmethod
     def new_subgroup(self, ranks: Sequence[int], timeout: timedelta | None = None, *,

@@ -22,40 +22,17 @@ from shoal.comm.algorithms import placement, ring, routing
 from shoal.comm.algorithms.reduce_op import ReduceOp
 from shoal.comm.algorithms.segments import Segments
 from shoal.comm.backends.group import ProcessGroup
+from shoal.comm.backends.point_to_point import PointToPoint
+from shoal.comm.backends.signatures import OPS, describe
 from shoal.comm.backends.work import OpQueue, Work
 from shoal.comm.store import Store
 from shoal.comm.transport import bring_up, dtypes
-from shoal.comm.transport.frames import Op, Recv, SendTracker, Signature, as_bytes
+from shoal.comm.transport.frames import Op, Recv, SendTracker
 from shoal.comm.transport.mesh import Transport
-from shoal.comm.transport.staging import staged
+from shoal.comm.transport.staging import staged_flat
 from shoal.errors import CollectiveMismatchError, GroupBrokenError
 from shoal.forks import refuse_in_child
-from shoal.observe import events
 from shoal.observe.flight import recorder
-
-_OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
-        "all_to_all", "barrier", "send/recv"]
-_REDUCING = {"all_reduce", "reduce", "reduce_scatter"}
-_ROOTED = {"broadcast", "reduce", "gather", "scatter"}
-
-
-def describe(sig: Signature) -> str:
-    """Human-readable form of a frame signature, for mismatch errors."""
-    opcode, dtype, redop, root, numel = sig
-    name = _OPS[opcode] if opcode < len(_OPS) else f"op#{opcode}"
-    parts = [dtypes.name(dtype), f"numel={numel}"]
-    if name in _REDUCING:
-        parts.append(f"op={ReduceOp(redop).name}")
-    if name in _ROOTED:
-        parts.append(f"root={root}")
-    return f"{name}({', '.join(parts)})"
-
-
-def _staged(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-    """A flat contiguous CPU tensor to communicate through (the tensor itself when it can be), and how
-    to copy results back."""
-    copy, back = staged(tensor, "cpu")
-    return copy.view(-1), back
 
 
 def _at_least(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -96,7 +73,7 @@ class _OpChannel:
         return self._group.packing(nbytes)
 
 
-class ShoalProcessGroup(ProcessGroup):
+class ShoalProcessGroup(PointToPoint, ProcessGroup):
     backend = "shoal"
     coalesces_for_free = True
 
@@ -108,7 +85,10 @@ class ShoalProcessGroup(ProcessGroup):
         self._next_group_id = group_ids
         self._seq = itertools.count()
         self._sent = defaultdict(itertools.count)  # (dst, tag) -> next p2p sequence number
-        self._received = defaultdict(itertools.count)  # (src, tag) -> next p2p sequence number
+        self._received: defaultdict[tuple[int, int], int] = defaultdict(int)  # (src, tag) -> next p2p sequence number
+        # tag -> receives issued after a receive from any source on that tag that has not yet matched:
+        # numbered once it has, as until then no one knows whose next message it took
+        self._behind_any: dict[int, list[tuple[Work, torch.Tensor, Callable[[], None], int | None]]] = {}
         self._queue = OpQueue(f"shoal-group-{group_id}")
         self._issue = threading.Lock()  # sequence numbers and queue order must agree
         self._scratch = torch.empty(0, dtype=torch.uint8)
@@ -175,7 +155,7 @@ class ShoalProcessGroup(ProcessGroup):
         self._refuse_if_forked()
         dtype = dtypes.code(tensor.dtype, f"{name} on the shoal backend") if tensor is not None else 0
         count = numel if numel is not None else (tensor.numel() if tensor is not None else 0)
-        sig = (_OPS.index(name), dtype, int(redop), root, count)
+        sig = (OPS.index(name), dtype, int(redop), root, count)
         timeout = timeout or self.timeout
         work = Work(name, timeout)
         nbytes = count * tensor.element_size() if tensor is not None else 0
@@ -222,7 +202,7 @@ class ShoalProcessGroup(ProcessGroup):
         return self._start_all_reduce_coalesced([tensor], op, blocking)
 
     def _start_all_reduce_coalesced(self, tensors: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
-        copies = [_staged(t) for t in tensors]
+        copies = [staged_flat(t) for t in tensors]
         given = Segments([flat for flat, _ in copies])
         # Tensors that share memory are reduced as one packed copy: reduced where they lie, a later round
         # would read what an earlier one wrote.
@@ -238,124 +218,51 @@ class ShoalProcessGroup(ProcessGroup):
                                 numel=data.numel, finish=finish, blocking=blocking)
 
     def _start_broadcast(self, tensor: torch.Tensor, src: int, blocking: bool) -> Work:
-        flat, back = _staged(tensor)
+        flat, back = staged_flat(tensor)
         return self._collective("broadcast", flat, self._routed(routing.broadcast, flat, src), root=src,
                                 finish=back, blocking=blocking)
 
     def _start_reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, blocking: bool) -> Work:
-        flat, back = _staged(tensor)
+        flat, back = staged_flat(tensor)
         return self._collective("reduce", flat, self._over_ring(ring.reduce, flat, op, dst), redop=op,
                                 root=dst, finish=back if self.rank == dst else lambda: None, blocking=blocking)
 
     def _start_all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor, blocking: bool) -> Work:
-        mine, _ = _staged(tensor)
-        staged = [_staged(t) for t in outs]
+        mine, _ = staged_flat(tensor)
+        staged = [staged_flat(t) for t in outs]
         flats = [f for f, _ in staged]
         return self._collective("all_gather", mine, self._routed(routing.all_gather, flats, mine),
                                 finish=_all(back for _, back in staged), blocking=blocking)
 
     def _start_gather(self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int, blocking: bool) -> Work:
-        mine, _ = _staged(tensor)
-        staged = [_staged(t) for t in outs] if outs is not None else []
+        mine, _ = staged_flat(tensor)
+        staged = [staged_flat(t) for t in outs] if outs is not None else []
         flats = [f for f, _ in staged] if outs is not None else None
         return self._collective("gather", mine, self._over_ring(ring.gather, flats, mine, dst), root=dst,
                                 finish=_all(back for _, back in staged), blocking=blocking)
 
     def _start_scatter(self, tensor: torch.Tensor, ins: list[torch.Tensor] | None, src: int, blocking: bool) -> Work:
-        out, back = _staged(tensor)
-        blocks = [_staged(t)[0] for t in ins] if ins is not None else None
+        out, back = staged_flat(tensor)
+        blocks = [staged_flat(t)[0] for t in ins] if ins is not None else None
         return self._collective("scatter", out, self._over_ring(ring.scatter, out, blocks, src), root=src,
                                 finish=back, blocking=blocking)
 
     def _start_reduce_scatter(self, out: torch.Tensor, ins: list[torch.Tensor], op: ReduceOp, blocking: bool) -> Work:
-        flat, back = _staged(out)
-        blocks = [_staged(t)[0] for t in ins]
+        flat, back = staged_flat(out)
+        blocks = [staged_flat(t)[0] for t in ins]
         return self._collective("reduce_scatter", flat, self._routed(routing.reduce_scatter, flat, blocks, op),
                                 redop=op, finish=back, blocking=blocking)
 
     def _start_all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], blocking: bool) -> Work:
-        staged = [_staged(t) for t in outs]
+        staged = [staged_flat(t) for t in outs]
         flats = [f for f, _ in staged]
-        blocks = [_staged(t)[0] for t in ins]
+        blocks = [staged_flat(t)[0] for t in ins]
         # Sizes may differ per pair of ranks, so the signature carries none; each frame's length is checked.
         return self._collective("all_to_all", blocks[0], self._over_ring(ring.all_to_all, flats, blocks),
                                 numel=0, finish=_all(back for _, back in staged), blocking=blocking)
 
     def _start_barrier(self, blocking: bool, timeout: timedelta | None = None) -> Work:
         return self._collective("barrier", None, self._routed(routing.barrier), blocking=blocking, timeout=timeout)
-
-    # ---- point to point ----------------------------------------------------------------------
-
-    def _p2p_op(self, peer: int, tag: int, seq: int, tensor: torch.Tensor, name: str, work: Work) -> Op:
-        if self._broken is not None:
-            raise GroupBrokenError(f"{name}: this group failed earlier ({self._broken}); destroy it and "
-                                   f"create a new one")
-        sig = (_OPS.index("send/recv"), dtypes.code(tensor.dtype, f"{name} on the shoal backend"), 0, 0, tensor.numel())
-        work.flight = recorder.record(self._group_id, self.ranks, seq, name, functools.partial(describe, sig),
-                                      tensor.nbytes, peer=self.ranks[peer], tag=tag)
-        return Op(self._group_id, tag, seq, sig, (self.ranks[peer],), self.timeout, name, describe,
-                  deadline=work.deadline)
-
-    def _p2p_running(self, work: Work, op: Op, src: int, dst: int, flat: torch.Tensor) -> events.Started | None:
-        """Start a send's or receive's span; returns its start, where the flow between the two is anchored."""
-        return work.running({"bytes": flat.nbytes, "src": src, "dst": dst, "tag": op.tag,
-                             "seq": op.seq, "group": self._group_id})
-
-    def _flow(self, begins: bool, src: int, dst: int, op: Op, at: events.Started | None) -> None:
-        """One end of the arrow from a send (`src`) to its receive (`dst`), numbered alike in both traces
-        (JSON-safe: under 2**53); nothing, not even the number, while untraced (`at` is None)."""
-        if at is not None:
-            key = f"{self._group_id}:{src}:{dst}:{op.tag}:{op.seq}".encode()
-            events.flow(begins, int.from_bytes(hashlib.blake2b(key, digest_size=6).digest(), "big"), at)
-
-    def _start_send(self, tensor: torch.Tensor, dst: int, tag: int, blocking: bool) -> Work:
-        self._refuse_if_forked()
-        flat, _ = _staged(tensor)
-        work = Work(f"send to rank {self.ranks[dst]}", self.timeout)
-
-        def start() -> None:
-            me, peer = self.transport.rank, self.ranks[dst]
-            self._flow(True, me, peer, op, self._p2p_running(work, op, me, peer, flat))
-            try:
-                tracker = SendTracker(on_done=work.finish)
-                self.transport.send(op, self.ranks[dst], 0, as_bytes(flat), tracker)
-            except Exception as exc:
-                work.finish(exc)
-
-        with self._issue:
-            op = self._p2p_op(dst, tag, next(self._sent[(dst, tag)]), flat, "send", work)
-            here = self._queue.submit(start, inline_if_idle=True)
-        if here:
-            self._queue.run_here(start)
-        return work
-
-    def _start_recv(self, tensor: torch.Tensor, src: int, tag: int, blocking: bool) -> Work:
-        self._refuse_if_forked()
-        flat, back = _staged(tensor)
-        work = Work(f"recv from rank {self.ranks[src]}", self.timeout)
-
-        started: events.Started | None = None
-
-        def landed(recv: Recv) -> None:
-            if recv.error is None:
-                back()
-                self._flow(False, self.ranks[src], self.transport.rank, op, started)
-            work.finish(recv.error)
-
-        def start() -> None:
-            nonlocal started
-            started = self._p2p_running(work, op, self.ranks[src], self.transport.rank, flat)
-            try:
-                self.transport.post_recv(op, self.ranks[src], 0, as_bytes(flat), on_done=landed)
-            except Exception as exc:
-                work.finish(exc)
-
-        with self._issue:
-            op = self._p2p_op(src, tag, next(self._received[(src, tag)]), flat, "recv", work)
-            here = self._queue.submit(start, inline_if_idle=True)
-        if here:
-            self._queue.run_here(start)
-        return work
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

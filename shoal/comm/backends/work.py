@@ -36,6 +36,7 @@ class Work:
         self._span_args: dict[str, Any] = {}
         self._callbacks: list[Callable[[BaseException | None], None]] = []
         self._label = events.comm_label.get()  # what an enclosing `record_comm` calls it
+        self._source: int | None = None  # the sender a receive from any source took its message from
 
     def running(self, span_args: dict[str, Any]) -> events.Started | None:
         """The operation has started to run: its flight entry says so and its span begins, described by
@@ -65,6 +66,16 @@ class Work:
     def deadline(self) -> float:
         """`time.monotonic()` value after which waiting for this op raises TimeoutError."""
         return self._deadline
+
+    def source_rank(self) -> int:
+        """The global rank whose message a receive from any source (`src=None`) took, once it is done."""
+        if self._source is None or not self._event.is_set():
+            raise ValueError(f"{self.name}: the sender is known only for a receive from any source, once done")
+        return self._source
+
+    def received_from(self, rank: int) -> None:
+        """Record the sender of a receive from any source (by the backend, before `finish`)."""
+        self._source = rank
 
     def is_completed(self) -> bool:
         return self._event.is_set()

@@ -48,6 +48,9 @@ class Matcher:
         self._abort = abort  # fails an op here and tells the other ranks taking part
         self._lock = threading.Lock()
         self._posted: dict[Key, Recv] = {}
+        # Receives posted together, of which the first frame to arrive is taken (from any source): each
+        # one's key -> all their keys
+        self._rivals: dict[Key, tuple[Key, ...]] = {}
         self._held: dict[Key, Held] = {}
         self._active: dict[tuple[int, int, int], Op] = {}
         self._aborted: dict[tuple[int, int, int], BaseException] = {}
@@ -67,7 +70,7 @@ class Matcher:
             op.cancelled = op.cancelled or GroupBrokenError(f"{op.name} has ended")
             self._active.pop(op.ident, None)
             for key in [k for k, r in self._posted.items() if r.op is op]:
-                del self._posted[key]
+                self._withdraw(key)
             for key in [k for k in self._held if k[1:4] == op.ident]:
                 del self._held[key]
 
@@ -85,6 +88,30 @@ class Matcher:
                     held.waiter = recv  # handed over when the frame is in
                 return
         self._deliver_held(recv, held)
+
+    def post_first(self, candidates: list[Recv]) -> None:
+        """Post receives of which only the first frame to arrive is taken (a receive from any source: one
+        candidate per peer); the rest are then withdrawn. A frame already here wins, the earliest first;
+        a candidate whose peer is gone is left out, and when none is left the last one's error is raised."""
+        keys = {(r.src, *r.op.ident, r.sub): r for r in candidates}
+        error: BaseException | None = None
+        with self._lock:
+            first = next((key for key in self._held if key in keys), None)  # held frames in arrival order
+            if first is None:
+                usable = {}
+                for key, recv in keys.items():
+                    try:
+                        self.check_usable(recv.op, recv.src)
+                        usable[key] = recv
+                    except PeerFailure as exc:
+                        error = exc
+                if not usable and error is not None:
+                    raise error
+                self._posted.update(usable)
+                for key in usable:
+                    self._rivals[key] = tuple(usable)
+                return
+        self.post(keys[first])
 
     def check_usable(self, op: Op, peer: int | None = None) -> None:
         """Raise if `op` cannot proceed: closed, aborted, a member crashed, or `peer` has left."""
@@ -107,6 +134,9 @@ class Matcher:
         held: Held | None = None
         with self._lock:
             recv = self._posted.pop(key, None)
+            for rival in self._rivals.pop(key, ()):  # the first frame for a receive from any source
+                self._posted.pop(rival, None)
+                self._rivals.pop(rival, None)
             if recv is None and ident not in self._aborted:
                 active = self._active.get(ident)
                 if active is not None and active.sig != sig:
@@ -158,7 +188,7 @@ class Matcher:
                 self._active[ident].cancelled = error
             failed = [r for r in self._posted.values() if r.op.ident == ident]
             for recv in failed:
-                del self._posted[(recv.src, *ident, recv.sub)]
+                self._withdraw((recv.src, *ident, recv.sub))
             failed += [h.waiter for k, h in self._held.items() if h.waiter is not None and k[1:4] == ident]
         for recv in failed:
             recv.finish(error)
@@ -187,8 +217,7 @@ class Matcher:
         with self._lock:
             error = self._departed[rank] = PeerFailure(rank, "it left the group (destroy_process_group)")
             failed = [(k, r) for k, r in self._posted.items() if r.src == rank]
-            for key, _ in failed:
-                del self._posted[key]
+            failed = [(k, r) for k, r in failed if not self._withdraw(k)]
         for _, recv in failed:
             recv.finish(error)
         return error
@@ -200,12 +229,21 @@ class Matcher:
                 return self._lost[rank], False
             error = self._lost[rank] = PeerFailure(rank, reason)
             failed = [(k, r) for k, r in self._posted.items() if r.src == rank or rank in r.op.ranks]
-            for key, _ in failed:
-                del self._posted[key]
+            failed = [(k, r) for k, r in failed if not self._withdraw(k)]
             failed += [(k, h.waiter) for k, h in self._held.items() if h.waiter is not None and k[0] == rank]
         for _, recv in failed:
             recv.finish(error)
         return error, True
+
+    def _withdraw(self, key: Key) -> bool:
+        """Take a posted receive back (the caller holds the lock); True when rivals of it are still posted,
+        so that it must not fail: another source may yet send."""
+        del self._posted[key]
+        rivals = self._rivals.pop(key, ())
+        left = tuple(k for k in rivals if k != key)
+        for rival in left:
+            self._rivals[rival] = left
+        return bool(left)
 
     def close(self) -> None:
         """Fail every receive still waiting: the transport is going away."""
@@ -213,6 +251,7 @@ class Matcher:
             self._closed = True
             pending = list(self._posted.values()) + [h.waiter for h in self._held.values() if h.waiter]
             self._posted.clear()
+            self._rivals.clear()
         closed = GroupBrokenError(f"rank {self.rank}: the process group was destroyed")
         for recv in pending:
             recv.finish(closed)

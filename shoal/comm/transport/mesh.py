@@ -215,6 +215,11 @@ class Transport:
         self._matcher.post(recv)
         return recv
 
+    def post_recv_from_any(self, ops: list[Op], view: memoryview, *, on_done: Callable[[Recv], None]) -> None:
+        """Post the receive of frame (op, 0) from each op's one peer into `view`, of which only the first
+        to arrive is taken (a receive from any source); `on_done` learns which from its `src`."""
+        self._matcher.post_first([Recv(op, op.ranks[0], 0, view, None, on_done) for op in ops])
+
     def send(self, op: Op, dst: int, sub: int, payload: memoryview, tracker: SendTracker | None) -> None:
         """Send frame (op, sub) to `dst` without waiting; `tracker` learns when `payload` may be reused."""
         self._matcher.check_usable(op, dst)

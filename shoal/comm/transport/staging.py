@@ -16,3 +16,9 @@ def staged(tensor: torch.Tensor, device: str | None = None) -> tuple[torch.Tenso
     # Detached: writing a result into a parameter is no step autograd should see, and the copy back may
     # run on a thread outside the caller's no_grad.
     return copy, lambda: tensor.detach().copy_(copy)
+
+
+def staged_flat(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """`staged` on the CPU, flattened: what frames are sent from and received into."""
+    copy, back = staged(tensor, "cpu")
+    return copy.view(-1), back
