@@ -103,7 +103,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """Both optimizers' state, the inner steps taken and where the parameters last synchronized: a job
-        resumed from it synchronizes when and from where the uninterrupted one would have."""
+        resumed from it synchronizes when and from where the uninterrupted one would have. (Taken under
+        `LiveTraining`, which ends periods itself, the count resumes but the next synchronization follows
+        this optimizer's own rule: docs/training.md.)"""
         return {"inner": self.inner.state_dict(), "outer": self.outer.state_dict(), "local_steps": self.local_steps,
                 "start": [start.clone() for start in self._start]}
 
