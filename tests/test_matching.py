@@ -15,12 +15,12 @@ SIG = (1, 0, 0, 0, 4)  # an all-reduce of four float32s
 
 
 def _op(seq: int = 1, sig: tuple = SIG) -> Op:
-    return Op(0, 0, seq, sig, (0, 1), timedelta(seconds=10), "test op", lambda s: f"op{s}")
+    return Op(0, -1, seq, sig, (0, 1), timedelta(seconds=10), "test op", lambda s: f"op{s}")  # a collective
 
 
 def _matcher() -> tuple[Matcher, list]:
     aborted: list = []
-    matcher = Matcher(0, lambda op, error: (aborted.append(error), matcher.fail_op(op.ident, error)))
+    matcher = Matcher(0, lambda op, error: (aborted.append(error), matcher.fail_op(op.ident, error, op.ranks[0])))
     return matcher, aborted
 
 
@@ -150,3 +150,23 @@ def test_a_message_to_a_peer_is_refused_once_the_peer_is_gone_or_the_transport_c
     matcher.close()
     with pytest.raises(GroupBrokenError, match="closed"):
         matcher.check_peer(3)
+
+
+def test_an_aborted_send_or_receive_is_the_one_with_that_peer() -> None:
+    """Sends and receives are numbered per peer: message 0 on a tag from rank 1 and from rank 2 share an
+    ident, and an abort of the one leaves the other."""
+    matcher, _ = _matcher()
+
+    def receive(src: int) -> Recv:
+        recv = Recv(Op(0, 4, 0, SIG, (src,), timedelta(seconds=10), "recv", str), src, 0,
+                    memoryview(bytearray(16)), None, None)
+        matcher.post(recv)
+        return recv
+
+    one, two = receive(1), receive(2)
+    matcher.fail_op((0, 4, 0), CollectiveMismatchError("rank 1 sent something else"), 1)
+    assert isinstance(one.error, CollectiveMismatchError) and not two.event.is_set()
+    arrival = matcher.arrive(2, (0, 4, 0), 0, SIG, 16)
+    arrival.view[:] = bytes(range(16))
+    arrival.done()
+    assert two.error is None and bytes(two.view) == bytes(range(16))

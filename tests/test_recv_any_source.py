@@ -60,6 +60,33 @@ def test_a_lost_source_is_passed_over_until_none_is_left() -> None:
         matcher.post_first(_candidates({1: 1, 2: 1}, bytearray(16), []))
 
 
+def test_a_receive_from_any_source_fails_once_as_a_whole() -> None:
+    """Closing, or an abort of an ident its candidates share (each peer's message 0 on a fresh tag), settles
+    it once, and withdraws every candidate: a later frame is held for the next receive."""
+    for end in ("close", "abort"):
+        matcher, buffer, done = Matcher(0, lambda op, error: None), bytearray(16), []
+        matcher.post_first(_candidates({1: 0, 2: 0}, buffer, done))
+        if end == "close":
+            matcher.close()
+        else:
+            matcher.fail_op((0, 7, 0), RuntimeError("aborted"), 1)
+        assert len(done) == 1 and done[0].error is not None and not done[0].taken
+        if end == "abort":
+            _deliver(matcher, 2, 1, bytes(16))
+            assert len(done) == 1
+
+
+def test_a_frame_that_disagrees_is_still_taken() -> None:
+    """Its sender's next message is then numbered after it, as the sender numbered it."""
+    aborted: list = []
+    matcher, done = Matcher(0, lambda op, error: aborted.append(error)), []
+    matcher.post_first(_candidates({1: 0, 2: 0}, bytearray(16), done))
+    arrival = matcher.arrive(2, (0, 7, 0), 0, SIG, 8)  # half the size posted
+    arrival.view[:] = bytes(8)
+    arrival.done()
+    assert len(done) == 1 and done[0].taken and done[0].src == 2 and "different size" in str(done[0].error)
+
+
 def _exchange(rank: int, world: int, behind: bool) -> list:
     """Rank 0 receives from any source what the others send with tag 5, and (`behind`) with tag 7, with a
     receive from rank 2 between two from any source; returns (sender, value) pairs in receiving order."""
@@ -168,3 +195,37 @@ def _left(rank: int, world: int) -> str:
 
 def test_a_rank_that_leaves_is_passed_over_and_the_last_one_ends_the_receive() -> None:
     assert "left the group" in run_ranks(_left, 3, timeout=90)[0]
+
+
+def _pending_then_mismatch(rank: int, world: int) -> str:
+    """Rank 0: a receive from any source that disagrees with the message it takes fails alone, and the
+    next takes that sender's next message; one still waiting when the group is destroyed fails, and the
+    destroy returns."""
+    import shoal.distributed as dist
+    from shoal.errors import CollectiveMismatchError
+
+    if rank == 0:
+        with pytest.raises(CollectiveMismatchError, match="rank 1 sent send/recv"):
+            dist.recv(torch.empty(2), tag=3)
+        t = torch.empty(2)
+        assert dist.recv(t, tag=3) == 1 and t.tolist() == [5.0, 5.0]
+        work = dist.irecv(torch.empty(1), tag=9)  # nobody sends it
+        dist.barrier()
+        dist.destroy_process_group()
+        with pytest.raises(Exception) as caught:
+            work.wait()
+        return type(caught.value).__name__
+    if rank == 2:  # a third rank, whose message 0 on tag 3 is another than rank 1's
+        dist.barrier()
+        return ""
+    try:
+        dist.send(torch.ones(3), dst=0, tag=3)
+    except CollectiveMismatchError:
+        pass  # the receiver's abort may reach the send before its acknowledgement does
+    dist.send(torch.full((2,), 5.0), dst=0, tag=3)
+    dist.barrier()
+    return ""
+
+
+def test_a_disagreeing_message_and_a_destroyed_group_end_a_receive_from_any_source() -> None:
+    assert run_ranks(_pending_then_mismatch, 3, timeout=90)[0] == "GroupBrokenError"

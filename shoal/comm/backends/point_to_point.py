@@ -18,7 +18,7 @@ import torch
 from shoal.comm.backends.signatures import OPS, describe
 from shoal.comm.backends.work import OpQueue, Work
 from shoal.comm.transport import dtypes
-from shoal.comm.transport.frames import Op, Recv, SendTracker, as_bytes
+from shoal.comm.transport.frames import Op, Recv, SendTracker, Signature, as_bytes
 from shoal.comm.transport.mesh import Transport
 from shoal.comm.transport.staging import staged_flat
 from shoal.errors import GroupBrokenError
@@ -43,12 +43,16 @@ class PointToPoint:
     _received: defaultdict[tuple[int, int], int]
     _behind_any: dict[int, list[tuple[Work, torch.Tensor, Callable[[], None], int | None]]]
 
-    def _p2p_op(self, peer: int, tag: int, seq: int, tensor: torch.Tensor, name: str, work: Work, *,
-                record: bool = True) -> Op:
+    def _p2p_sig(self, tensor: torch.Tensor, name: str) -> Signature:
+        """The signature of a send or receive of `tensor`, or the error that refuses it: checked before
+        the message is numbered, so that a refused one takes no number on either side."""
         if self._broken is not None:
             raise GroupBrokenError(f"{name}: this group failed earlier ({self._broken}); destroy it and "
                                    f"create a new one")
-        sig = (OPS.index("send/recv"), dtypes.code(tensor.dtype, f"{name} on the shoal backend"), 0, 0, tensor.numel())
+        return (OPS.index("send/recv"), dtypes.code(tensor.dtype, f"{name} on the shoal backend"), 0, 0, tensor.numel())
+
+    def _p2p_op(self, peer: int, tag: int, seq: int, sig: Signature, tensor: torch.Tensor, name: str, work: Work, *,
+                record: bool = True) -> Op:
         if record:
             work.flight = recorder.record(self._group_id, self.ranks, seq, name, functools.partial(describe, sig),
                                           tensor.nbytes, peer=self.ranks[peer], tag=tag)
@@ -82,7 +86,8 @@ class PointToPoint:
                 work.finish(exc)
 
         with self._issue:
-            op = self._p2p_op(dst, tag, next(self._sent[(dst, tag)]), flat, "send", work)
+            sig = self._p2p_sig(flat, "send")
+            op = self._p2p_op(dst, tag, next(self._sent[(dst, tag)]), sig, flat, "send", work)
             here = self._queue.submit(start, inline_if_idle=True)
         if here:
             self._queue.run_here(start)
@@ -98,7 +103,12 @@ class PointToPoint:
                 behind.append((work, flat, back, src))
                 return work
             start = self._numbered_recv(work, flat, back, src, tag)
-            here = self._queue.submit(start, inline_if_idle=True)
+            try:
+                here = self._queue.submit(start, inline_if_idle=True)
+            except BaseException:
+                if src is None:
+                    del self._behind_any[tag]  # never started: nothing waits behind it
+                raise
         if here:
             self._queue.run_here(start)
         return work
@@ -106,9 +116,10 @@ class PointToPoint:
     def _numbered_recv(self, work: Work, flat: torch.Tensor, back: Callable[[], None], src: int | None,
                        tag: int) -> Callable[[], None]:
         """Number a receive (the caller holds the issue lock); returns what posts it."""
+        sig = self._p2p_sig(flat, "recv")
         if src is None:
-            return self._recv_from_any(work, flat, back, tag)
-        op = self._p2p_op(src, tag, self._received[(src, tag)], flat, "recv", work)
+            return self._recv_from_any(work, flat, back, tag, sig)
+        op = self._p2p_op(src, tag, self._received[(src, tag)], sig, flat, "recv", work)
         self._received[(src, tag)] += 1
         started: events.Started | None = None
 
@@ -128,24 +139,27 @@ class PointToPoint:
 
         return start
 
-    def _recv_from_any(self, work: Work, flat: torch.Tensor, back: Callable[[], None],
-                       tag: int) -> Callable[[], None]:
+    def _recv_from_any(self, work: Work, flat: torch.Tensor, back: Callable[[], None], tag: int,
+                       sig: Signature) -> Callable[[], None]:
         """A receive of each peer's next message with `tag`, of which the first to arrive is taken; the
         receives issued after it on that tag wait until then (`_behind_any`)."""
         peers = [p for p in range(self.size) if p != self.rank]
         if not peers:
             raise ValueError("recv from any source: this group has no other rank to receive from")
-        ops = [self._p2p_op(p, tag, self._received[(p, tag)], flat, "recv", work, record=False) for p in peers]
-        work.flight = recorder.record(self._group_id, self.ranks, -1, "recv", functools.partial(describe, ops[0].sig),
+        ops = [self._p2p_op(p, tag, self._received[(p, tag)], sig, flat, "recv", work, record=False) for p in peers]
+        work.flight = recorder.record(self._group_id, self.ranks, -1, "recv", functools.partial(describe, sig),
                                       flat.nbytes, tag=tag)
         self._behind_any[tag] = []
+        once = threading.Lock()
 
         def landed(recv: Recv) -> None:
-            sender = None if recv.error is not None else self.group_rank(recv.src, "src")
-            if sender is not None:
+            if not once.acquire(blocking=False):
+                return  # the matcher settles a receive from any source once; this guards the numbering
+            # A frame that was taken numbers its sender's next message, even one that disagreed.
+            self._any_matched(tag, self.group_rank(recv.src, "src") if recv.taken else None)
+            if recv.error is None:
                 back()
                 work.received_from(recv.src)
-            self._any_matched(tag, sender)
             work.finish(recv.error)
 
         def start() -> None:
@@ -153,14 +167,16 @@ class PointToPoint:
             try:
                 self.transport.post_recv_from_any(ops, as_bytes(flat), on_done=landed)
             except Exception as exc:
-                self._any_matched(tag, None)
-                work.finish(exc)
+                if once.acquire(blocking=False):
+                    self._any_matched(tag, None)
+                    work.finish(exc)
 
         return start
 
     def _any_matched(self, tag: int, sender: int | None) -> None:
         """A receive from any source on `tag` took `sender`'s next message (or failed: None): number the
         receives issued behind it, which may include another from any source."""
+        refused = []
         with self._issue:
             if sender is not None:
                 self._received[(sender, tag)] += 1
@@ -168,8 +184,12 @@ class PointToPoint:
             for i, (work, flat, back, src) in enumerate(behind):
                 if tag in self._behind_any:  # one of them is from any source too: the rest wait for it
                     self._behind_any[tag].extend(behind[i:])
-                    return
+                    break
                 try:
                     self._queue.submit(self._numbered_recv(work, flat, back, src, tag))  # this may be a reader thread
                 except Exception as exc:
-                    work.finish(exc)
+                    if src is None:
+                        self._behind_any.pop(tag, None)  # never started: nothing waits behind it
+                    refused.append((work, exc))
+        for work, exc in refused:  # outside the lock: a done-callback may issue another send or receive
+            work.finish(exc)

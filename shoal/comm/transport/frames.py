@@ -54,7 +54,7 @@ class Recv:
     `on_done` runs after, whatever the outcome.
     """
 
-    __slots__ = ("claimed", "error", "event", "on_done", "op", "process", "src", "sub", "view")
+    __slots__ = ("claimed", "error", "event", "on_done", "op", "process", "src", "sub", "taken", "view")
 
     def __init__(self, op: Op, src: int, sub: int, view: memoryview,
                  process: Callable[[], None] | None, on_done: Callable[[Recv], None] | None) -> None:
@@ -63,6 +63,7 @@ class Recv:
         self.event = threading.Event()
         self.error: BaseException | None = None
         self.claimed = False
+        self.taken = False  # a frame was matched to it (set by the matcher, even if it then disagrees)
 
     def finish(self, error: BaseException | None = None) -> None:
         """Complete the receive once: a failure and a late frame may race to do it."""

@@ -53,7 +53,7 @@ class Matcher:
         self._rivals: dict[Key, tuple[Key, ...]] = {}
         self._held: dict[Key, Held] = {}
         self._active: dict[tuple[int, int, int], Op] = {}
-        self._aborted: dict[tuple[int, int, int], BaseException] = {}
+        self._aborted: dict[tuple[int, ...], BaseException] = {}  # by _abort_key
         self._lost: dict[int, PeerFailure] = {}  # crashed: every op they take part in fails
         self._departed: dict[int, PeerFailure] = {}  # said goodbye after their last frame
         self._closed = False
@@ -78,6 +78,7 @@ class Matcher:
         key = (recv.src, *recv.op.ident, recv.sub)
         with self._lock:
             held = self._held.get(key)
+            recv.taken = held is not None
             if held is not None and held.complete:
                 del self._held[key]  # a frame that arrived is delivered, even if its sender has left since
             else:
@@ -91,12 +92,14 @@ class Matcher:
 
     def post_first(self, candidates: list[Recv]) -> None:
         """Post receives of which only the first frame to arrive is taken (a receive from any source: one
-        candidate per peer); the rest are then withdrawn. A frame already here wins, the earliest first;
-        a candidate whose peer is gone is left out, and when none is left the last one's error is raised."""
+        candidate per peer); the rest are then withdrawn, and the receive succeeds or fails as one. A frame
+        already here wins, the earliest first; a candidate whose peer is gone is left out, and when none is
+        left the last one's error is raised."""
         keys = {(r.src, *r.op.ident, r.sub): r for r in candidates}
         error: BaseException | None = None
         with self._lock:
-            first = next((key for key in self._held if key in keys), None)  # held frames in arrival order
+            first = next((key for key, held in self._held.items()  # in arrival order
+                          if key in keys and (held.complete or key[0] not in self._lost)), None)
             if first is None:
                 usable = {}
                 for key, recv in keys.items():
@@ -116,8 +119,9 @@ class Matcher:
     def check_usable(self, op: Op, peer: int | None = None) -> None:
         """Raise if `op` cannot proceed: closed, aborted, a member crashed, or `peer` has left."""
         self._refuse_if_closed()
-        if op.ident in self._aborted:
-            raise self._aborted[op.ident]
+        aborted = self._aborted.get(_abort_key(op.ident, op.ranks[0]))
+        if aborted is not None:
+            raise aborted
         for rank in (op.ranks if peer is None else (peer, *op.ranks)):
             if rank in self._lost:
                 raise self._lost[rank]
@@ -134,10 +138,10 @@ class Matcher:
         held: Held | None = None
         with self._lock:
             recv = self._posted.pop(key, None)
-            for rival in self._rivals.pop(key, ()):  # the first frame for a receive from any source
-                self._posted.pop(rival, None)
-                self._rivals.pop(rival, None)
-            if recv is None and ident not in self._aborted:
+            if recv is not None:
+                recv.taken = True
+                self._drop_rivals(key)  # the first frame for a receive from any source
+            if recv is None and _abort_key(ident, src) not in self._aborted:
                 active = self._active.get(ident)
                 if active is not None and active.sig != sig:
                     conflict = active
@@ -181,15 +185,22 @@ class Matcher:
 
     # ---- failures ----------------------------------------------------------------------------------
 
-    def fail_op(self, ident: tuple[int, int, int], error: BaseException) -> None:
+    def fail_op(self, ident: tuple[int, int, int], error: BaseException, peer: int) -> None:
+        """Fail operation `ident` (for a send or receive: the one with `peer`, the rank the abort came from
+        or went to) and refuse its frames from now on."""
+        p2p = ident[1] >= 0
         with self._lock:
-            self._aborted[ident] = error
+            self._aborted[_abort_key(ident, peer)] = error
             if ident in self._active:
                 self._active[ident].cancelled = error
-            failed = [r for r in self._posted.values() if r.op.ident == ident]
-            for recv in failed:
-                self._withdraw((recv.src, *ident, recv.sub))
-            failed += [h.waiter for k, h in self._held.items() if h.waiter is not None and k[1:4] == ident]
+            failed = []
+            for recv in [r for r in self._posted.values() if r.op.ident == ident and not (p2p and r.src != peer)]:
+                key = (recv.src, *ident, recv.sub)
+                if key in self._posted:  # not withdrawn already as a rival: a receive from any source fails as one
+                    failed.append(self._posted.pop(key))
+                    self._drop_rivals(key)
+            failed += [h.waiter for k, h in self._held.items()
+                       if h.waiter is not None and k[1:4] == ident and not (p2p and k[0] != peer)]
         for recv in failed:
             recv.finish(error)
 
@@ -235,6 +246,13 @@ class Matcher:
             recv.finish(error)
         return error, True
 
+    def _drop_rivals(self, key: Key) -> None:
+        """Withdraw the other candidates of the receive from any source `key` is one of (the caller holds
+        the lock and has taken `key` itself)."""
+        for rival in self._rivals.pop(key, ()):
+            self._posted.pop(rival, None)
+            self._rivals.pop(rival, None)
+
     def _withdraw(self, key: Key) -> bool:
         """Take a posted receive back (the caller holds the lock); True when rivals of it are still posted,
         so that it must not fail: another source may yet send."""
@@ -249,9 +267,20 @@ class Matcher:
         """Fail every receive still waiting: the transport is going away."""
         with self._lock:
             self._closed = True
-            pending = list(self._posted.values()) + [h.waiter for h in self._held.values() if h.waiter]
+            pending, seen = [], set()
+            for key, recv in self._posted.items():
+                if key not in seen:  # one of a receive from any source's candidates
+                    pending.append(recv)
+                    seen.update(self._rivals.get(key, ()))
+            pending += [h.waiter for h in self._held.values() if h.waiter]
             self._posted.clear()
             self._rivals.clear()
         closed = GroupBrokenError(f"rank {self.rank}: the process group was destroyed")
         for recv in pending:
             recv.finish(closed)
+
+
+def _abort_key(ident: tuple[int, int, int], peer: int) -> tuple[int, ...]:
+    """What an abort is recorded under. A collective's ident (tag -1) is the same on every rank; a send's or
+    receive's (tag >= 0) is numbered per peer, so with another peer the same ident is another message."""
+    return ident if ident[1] < 0 else (*ident, peer)

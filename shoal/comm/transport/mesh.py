@@ -275,7 +275,7 @@ class Transport:
             link = self._links.get(rank)
             if link is not None and not self._matcher.is_lost(rank):
                 link.send(header, text, None)
-        self._matcher.fail_op(op.ident, error)
+        self._matcher.fail_op(op.ident, error, op.ranks[0])
 
     # ---- what the links report (LinkOwner) ---------------------------------------------------------
 
@@ -296,7 +296,7 @@ class Transport:
         arrival.done()
 
     def on_abort(self, link: PeerLink, header: FrameHeader, text: str) -> None:
-        self._matcher.fail_op(header.ident, CollectiveMismatchError(text))
+        self._matcher.fail_op(header.ident, CollectiveMismatchError(text), link.rank)
 
     def on_bye(self, link: PeerLink) -> PeerFailure:
         error = self._matcher.peer_departed(link.rank)
