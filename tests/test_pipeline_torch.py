@@ -80,18 +80,10 @@ def _train(rank: int, world: int, pp: Any, schedule: str, per_rank: int, m: int,
 
 
 def _both(rank: int, world: int, torch_port: int, cases: list[tuple]) -> tuple[list, list]:
-    import torch.distributed as torch_dist
-    import torch.distributed.pipelining as torch_pp
-
     import shoal.pipeline as shoal_pp
 
     ours = [_train(rank, world, shoal_pp, *case) for case in cases]
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank, world_size=world)
-    try:
-        theirs = [_train(rank, world, torch_pp, *case) for case in cases]
-    finally:
-        torch_dist.destroy_process_group()
-    return ours, theirs
+    return ours, _torchs_on(rank, world, "gloo", torch_port, cases)
 
 
 def _assert_close(a: Any, b: Any, where: str) -> None:

@@ -157,8 +157,10 @@ class C10dProcessGroup(ProcessGroup):
         or receive (`name` "send" or "recv") names its `peer` (a global rank) and `tag`."""
         if self._recent is not None:
             self._recent.append(work)
-        label = name if peer is None else f"{name} {'to' if name == 'send' else 'from'} rank {peer}"
-        label = "recv from any rank" if name == "recv" and peer is None else label
+        if peer is not None:
+            label = f"{name} {'to' if name == 'send' else 'from'} rank {peer}"
+        else:
+            label = "recv from any rank" if name == "recv" else name
         wrapped = _TorchWork(label, timeout or self.timeout, work, then)
         seq = next(self._issued[None if tag is None else (name, peer, tag)])  # a recv from any source: peer None
         wrapped.flight = recorder.record(self._name, self.ranks, seq, name, label, 0, peer=peer, tag=tag)
