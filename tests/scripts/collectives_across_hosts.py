@@ -22,8 +22,9 @@ dist.all_reduce(torch.ones(1))  # finds the hosts, which crosses the cable too
 
 
 def sent_during(collective) -> int:
-    dist.barrier()
+    # Read before the barrier: once it lets us go, our host's other rank may already be sending its part.
     before = int(counter.read_text())
+    dist.barrier()
     collective()
     dist.barrier()
     return int(counter.read_text()) - before
