@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
 from shoal import config
-from shoal.backoff import attempts
-from shoal.comm.transport import auth
+from shoal.comm.transport.connecting import Connecting
 from shoal.comm.transport.frame_header import ACK_NOW, FrameHeader, Kind
 from shoal.comm.transport.frames import Op, Payload, Recv, SendTracker
-from shoal.comm.transport.healing import process_gone, resume_handshake
 from shoal.comm.transport.link import PeerLink
 from shoal.comm.transport.matching import Matcher
 from shoal.comm.transport.reading import MAX_ABORT_TEXT
@@ -27,12 +24,6 @@ from shoal.observe.flight import recorder
 
 log = logging.getLogger(__name__)
 
-_HANDSHAKE_TIMEOUT_S = 10.0
-# One connection attempt gives up after this and the next begins: a SYN lost while the network was down
-# is otherwise sent again only after 1, 3, 7... s, long after the network is back.
-_CONNECT_ATTEMPT_S = 1.0
-_SOCKET_BUFFER = 4 << 20
-_ADOPT_WAIT_S = 5.0  # a joiner's connection, accepted, is adopted by its handshake thread within this
 # How long close() reads on for the goodbyes of peers closing at the same time, before it stops
 # reading the rest: reading them out spares those peers a connection reset.
 _DRAIN_S = 1.0
@@ -42,7 +33,7 @@ _DRAIN_S = 1.0
 FrameHandler = Callable[[int, int, int, int, int, Payload], None]
 
 
-class Transport:
+class Transport(Connecting):
     """Full mesh of authenticated connections between the ranks of one job."""
 
     def __init__(self, rank: int, world_size: int, *, secret: bytes, session: bytes, host: str,
@@ -70,108 +61,6 @@ class Transport:
         self._stopping = threading.Event()
         self._start(self._accept_loop, name="shoal-accept")
         self._start(self._heartbeat_loop, name="shoal-heartbeat")
-
-    # ---- connection set-up -------------------------------------------------------------------
-
-    def connect_mesh(self, addresses: dict[int, tuple[str, int]], timeout: timedelta) -> None:
-        """Connect to every lower rank and wait for every higher rank to connect to us."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        for peer in range(self.rank):
-            address = (addresses[peer][0], addresses[peer][1])
-            sock, _ = self._dial(peer, address, deadline)
-            self._adopt(peer, sock, address[1])
-        with self._lock:
-            missing = lambda: [r for r in range(self.rank + 1, self.world_size) if r not in self._links]  # noqa: E731
-            if not self._links_changed.wait_for(lambda: not missing(),
-                                                timeout=max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"rank {self.rank}: ranks {missing()} did not connect within "
-                                   f"{timeout.total_seconds():g}s")
-
-    def dial_member(self, peer: int, address: tuple[str, int], timeout: timedelta) -> None:
-        """As a rank that joins a running group: connect to member `peer`. One that is gone (its
-        listener refuses) is recorded as lost, as a peer lost later would be; TimeoutError if it is
-        not reached within `timeout` (it may live: the join fails, rather than go on without it)."""
-        try:
-            sock, _ = self._dial(peer, address, time.monotonic() + timeout.total_seconds(), refused_is_final=True)
-        except PeerFailure as exc:
-            self.link_lost(peer, f"it was gone when rank {self.rank} joined ({exc.detail})")
-            return
-        self._adopt(peer, sock, address[1])
-
-    def _dial(self, peer: int, address: tuple[str, int], deadline: float, *, received: int = 0,
-              refused_is_final: bool = False) -> tuple[socket.socket, int]:
-        """An authenticated connection to `peer`, and the last frame it says it received from us."""
-        error: OSError | None = None
-        for _ in attempts(deadline):  # the peer's listener may not be up yet, or the network may be down
-            try:
-                sock = socket.create_connection(address, timeout=min(_CONNECT_ATTEMPT_S,
-                                                                     max(0.1, deadline - time.monotonic())))
-                sock.settimeout(min(_HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
-                auth.client_handshake(sock, self._secret, self._session, my_rank=self.rank, peer_rank=peer)
-                peer_received, _ = resume_handshake(sock, received, self.address[1])
-                _configure(sock, self._stall_timeout)
-                return sock, peer_received
-            except auth.AuthenticationError as exc:
-                if not refused_is_final:
-                    raise
-                raise PeerFailure(peer, f"it refused to reconnect ({exc})") from None
-            except ConnectionRefusedError as exc:
-                if refused_is_final:
-                    raise process_gone(peer) from None
-                error = exc
-            except OSError as exc:
-                error = exc
-        raise TimeoutError(f"rank {self.rank} could not connect to rank {peer} at {address[0]}:{address[1]}: "
-                           f"{error}")
-
-    def redial(self, link: PeerLink, address: tuple[str, int], deadline: float) -> tuple[socket.socket, int]:
-        return self._dial(link.rank, address, deadline, received=link.received, refused_is_final=True)
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # listener closed
-            self._start(self._admit, conn, name="shoal-handshake")
-
-    def _admit(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(_HANDSHAKE_TIMEOUT_S)
-            peer = auth.server_handshake(conn, self._secret, self._session, my_rank=self.rank,
-                                         world_size=None if self._open else self.world_size,
-                                         admit=self._check_newcomer)
-            link = self._links.get(peer)
-            peer_received, peer_port = resume_handshake(conn, link.received if link else 0, self.address[1])
-            _configure(conn, self._stall_timeout)
-            if link is None:
-                self._adopt(peer, conn, peer_port)
-            else:
-                link.replace(conn, peer_received)
-        except auth.HandshakeAbandoned:
-            conn.close()  # a peer checking that we are alive, or one that gave up
-        except (OSError, struct.error, ValueError) as exc:
-            log.warning("rank %d rejected a connection: %s", self.rank, exc)
-            conn.close()
-
-    def _check_newcomer(self, peer: int) -> None:
-        if peer < self.rank and not self._open:  # with open membership, a joiner dials every member
-            raise auth.AuthenticationError(f"rank {peer} should be dialled, not dial in")
-        with self._lock:
-            if self.closed:
-                raise auth.AuthenticationError(f"rank {self.rank} is closing")
-            if (failure := self._matcher.failure(peer)) is not None:
-                raise auth.AuthenticationError(f"rank {peer} was given up: {failure}")
-
-    def _adopt(self, peer: int, sock: socket.socket, peer_port: int) -> None:
-        link = PeerLink(self, peer, sock, dialer=peer < self.rank, peer_port=peer_port,
-                        heal_timeout=self._heal_timeout)
-        with self._lock:
-            if peer in self._links or self.closed:
-                raise auth.AuthenticationError(f"rank {peer} is already connected")
-            self._links[peer] = link
-            self._links_changed.notify_all()
-        link.start(self._start)
 
     def _start(self, target: Callable[..., None], *args: object, name: str) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -245,18 +134,6 @@ class Transport:
         self._matcher.check_peer(dst)
         header = FrameHeader(Kind.DATA, len(payload), group, tag, seq, sub, flags=ACK_NOW if acknowledge else 0)
         self._link(dst).send(header, payload, tracker, eager=True)
-
-    def _link(self, dst: int) -> PeerLink:
-        """The link to `dst`. A rank that has just joined may be known (through the store) a moment
-        before its connection here is adopted: that is waited for, briefly."""
-        link = self._links.get(dst)
-        if link is None:
-            with self._lock:
-                self._links_changed.wait_for(lambda: dst in self._links or self.closed, timeout=_ADOPT_WAIT_S)
-                link = self._links.get(dst)
-            if link is None:
-                raise PeerFailure(dst, f"rank {self.rank} has no connection to it")
-        return link
 
     def wait(self, recv: Recv) -> None:
         """Block until `recv` is in (and processed), or its op's deadline passes."""
@@ -378,17 +255,6 @@ class Transport:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def _configure(sock: socket.socket, stall_timeout: timedelta) -> None:
-    sock.settimeout(None)
-    # A write that makes no progress for this long means the peer has stopped reading (stalled,
-    # not dead): fail it rather than block a thread forever.
-    seconds = stall_timeout.total_seconds()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
 
 
 def _seconds(given: timedelta | None, variable: config.Variable[float]) -> float:
