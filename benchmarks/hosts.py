@@ -3,6 +3,7 @@
     shoal bench hosts                      # 2 hosts x 1 and x 2 ranks; links of 1 gbit, 10 gbit, unlimited
     shoal bench hosts --quick              # 4 MiB and 64 MiB, all-reduce only, fewer repetitions
     shoal bench hosts --markdown docs/x.md # also a markdown table
+    shoal bench hosts --links 1gbit --per-flow 250mbit --streams 1 4  # a cloud's cap on each TCP connection
 
 The hosts are network namespaces joined by a veth pair (tests/hosts.py), the link's rate a tbf qdisc
 on both ends; needs root, and says why and stops where it cannot build them. Ranks of one host share
@@ -10,6 +11,10 @@ memory (SHOAL_HOST_ID names their host); gloo talks over the veth (GLOO_SOCKET_I
 run in the same processes, in turn. A row's "of link" is the time the bytes that must cross the link
 take at its rate (an all-reduce or broadcast of S bytes sends S each way, an all-gather S/2 of its output,
 a reduce-scatter S/2 of its input), divided by the measured time.
+
+With `--per-flow RATE`, each TCP connection across the link gets RATE at most (an htb class per connection,
+chosen by its port), as clouds cap each flow, and the link as a whole its `--links` rate; `--streams N`
+runs shoal with N connections per pair of ranks (SHOAL_STREAMS).
 """
 
 from __future__ import annotations
@@ -79,23 +84,58 @@ def _worker(rank: int, world: int, address: str, collectives: list[str], sizes: 
         Path(out).write_text(json.dumps({"rows": rows, "hosts": hosts}))
 
 
-def shape_link(hosts: TwoHosts, rate: float | None) -> None:
-    """Give both ends of the cable `rate` bits per second, or take any limit away."""
-    for ns, dev in zip(hosts.namespaces, hosts.devices, strict=True):
+def shape_link(hosts: TwoHosts, rate: float | None, per_flow: float | None = None) -> None:
+    """Give both ends of the cable `rate` bits per second, or take any limit away; with `per_flow`, each TCP
+    connection across it that many at most."""
+    for host, (ns, dev) in enumerate(zip(hosts.namespaces, hosts.devices, strict=True)):
         subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=10)
-        if rate is not None:
-            subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit",
-                            "burst", "1mb", "latency", "50ms"], check=True, capture_output=True, timeout=10)
+        if per_flow is not None:
+            _shape_flows(ns, dev, rate or _UNLIMITED, per_flow, "dport" if host == 0 else "sport")
+        elif rate is not None:
+            _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit", "burst", "1mb",
+                "latency", "50ms")
 
 
-def _run(hosts: TwoHosts, per_host: int, collectives: list[str], sizes: list[str], repeats: int) -> dict:
+_UNLIMITED = 100e9  # the parent class of a per-flow shaping whose link has no rate of its own
+_FLOW_CLASSES = 64
+
+
+def _shape_flows(ns: str, dev: str, rate: float, per_flow: float, port: str) -> None:
+    """An htb class of `per_flow` bits per second for each TCP connection, under one of `rate` for all. Ranks
+    on host 1 dial those on host 0 (higher ranks dial), so connections differ by host 1's port: the
+    destination port on host 0's end, the source port on host 1's. Linux gives connections even ports a
+    few apart, so bits 1-6 of the port tell up to 64 of them apart; the rest (ARP, non-TCP) share a
+    class of its own. Each class is guaranteed little and borrows up to its cap, so the parent's rate holds."""
+    floor = f"{int(rate / 80)}bit"
+    quantum = ("quantum", "65536")
+    _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10", "r2q", "100")
+    _tc(ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", f"{int(rate)}bit",
+        "ceil", f"{int(rate)}bit", "burst", "256k", "cburst", "256k", *quantum)
+    _tc(ns, "class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", "rate", floor,
+        "ceil", f"{int(rate)}bit", "burst", "256k", "cburst", "256k", *quantum)
+    for i in range(_FLOW_CLASSES):
+        flow = f"1:{0x100 + i:x}"
+        _tc(ns, "class", "add", "dev", dev, "parent", "1:1", "classid", flow, "htb", "rate", floor,
+            "ceil", f"{int(per_flow)}bit", "burst", "64k", "cburst", "64k", *quantum)
+        _tc(ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "protocol", "6", "0xff", "match", "ip", port, str(i << 1), "0x7e", "flowid", flow)
+
+
+def _tc(ns: str, *args: str) -> None:
+    subprocess.run(["tc", "-n", ns, *args], check=True, capture_output=True, timeout=10)
+
+
+def _run(hosts: TwoHosts, per_host: int, collectives: list[str], sizes: list[str], repeats: int,
+         streams: int) -> dict:
     """Run 2 x `per_host` ranks, rank r on host r // per_host; rank 0's results."""
-    return run_across(hosts, per_host, __file__, [",".join(collectives), ",".join(sizes), str(repeats)])
+    return run_across(hosts, per_host, __file__, [",".join(collectives), ",".join(sizes), str(repeats)],
+                      {"SHOAL_STREAMS": str(streams)})
 
 
-def run_across(hosts: TwoHosts, per_host: int, script: str, args: list[str]) -> dict:
+def run_across(hosts: TwoHosts, per_host: int, script: str, args: list[str],
+               settings: dict[str, str] | None = None) -> dict:
     """Run `script --worker RANK WORLD ADDRESS *args OUT` as 2 x `per_host` ranks, rank r on host r // per_host,
-    and return the JSON that rank 0 writes to OUT."""
+    with `settings` in their environment, and return the JSON that rank 0 writes to OUT."""
     world = 2 * per_host
     with tempfile.TemporaryDirectory(prefix="shoal-bench-hosts-") as workdir:
         out = str(Path(workdir) / "result.json")
@@ -104,7 +144,8 @@ def run_across(hosts: TwoHosts, per_host: int, script: str, args: list[str]) -> 
             for rank in range(world):
                 host = rank // per_host
                 env = {"SHOAL_SECRET": "bench-hosts", "SHOAL_HOST_ID": f"host{host}",
-                       "GLOO_SOCKET_IFNAME": hosts.devices[host], "PYTHONPATH": str(Path(__file__).parents[1])}
+                       "GLOO_SOCKET_IFNAME": hosts.devices[host], "PYTHONPATH": str(Path(__file__).parents[1]),
+                       **(settings or {})}
                 argv = [script, "--worker", str(rank), str(world), hosts.addresses[0], *args, out]
                 stderr = logs.enter_context(open(Path(workdir) / f"stderr{rank}", "wb"))
                 procs.append(hosts.start(host, argv, env, stderr))
@@ -118,20 +159,21 @@ def run_across(hosts: TwoHosts, per_host: int, script: str, args: list[str]) -> 
         return json.loads(Path(out).read_text())
 
 
-def _rows(per_host: int, rate_label: str, result: dict) -> list[list[str]]:
+def _rows(per_host: int, rate_label: str, streams: int, result: dict) -> list[list[str]]:
     rate = RATES[rate_label]
     table = []
     for row in result["rows"]:
         limit = None if rate is None else _SHARE_ACROSS[row["collective"]] * row["nbytes"] * 8 / rate
         share = "-" if limit is None else f"{limit / row['shoal']:.0%}"
         gloo_share = "-" if limit is None else f"{limit / row['gloo']:.0%}"
-        table.append([f"2 x {per_host}", rate_label, row["collective"], row["size"], f"{row['shoal'] * 1e3:.1f}",
+        table.append([f"2 x {per_host}", rate_label, str(streams), row["collective"], row["size"],
+                      f"{row['shoal'] * 1e3:.1f}",
                       f"{row['gloo'] * 1e3:.1f}", f"{row['gloo'] / row['shoal']:.2f}x", share, gloo_share])
     return table
 
 
-HEADER = ["hosts x ranks", "link", "collective", "size", "shoal ms", "gloo ms", "shoal speed-up", "shoal of link",
-          "gloo of link"]
+HEADER = ["hosts x ranks", "link", "shoal streams", "collective", "size", "shoal ms", "gloo ms", "shoal speed-up",
+          "shoal of link", "gloo of link"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--ranks-per-host", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--links", nargs="+", choices=list(RATES), default=["1gbit", "10gbit", "unlimited"])
+    parser.add_argument("--per-flow", type=_bits, help="cap each TCP connection across the link at this rate "
+                        "(e.g. 250mbit), under the link's")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1], help="SHOAL_STREAMS values to run shoal with")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -157,19 +202,28 @@ def main(argv: list[str] | None = None) -> None:
     hosts = TwoHosts.build()
     try:
         for rate_label in args.links:
-            shape_link(hosts, RATES[rate_label])
+            shape_link(hosts, RATES[rate_label], args.per_flow)
             for per_host in args.ranks_per_host:
-                result = _run(hosts, per_host, collectives, sizes, repeats)
-                assert len(result["hosts"]) == 2, f"the ranks did not see two hosts: {result['hosts']}"
-                for line in _rows(per_host, rate_label, result):
-                    print("  ".join(line), flush=True)
-                    table.append(line)
+                for streams in args.streams:
+                    result = _run(hosts, per_host, collectives, sizes, repeats, streams)
+                    assert len(result["hosts"]) == 2, f"the ranks did not see two hosts: {result['hosts']}"
+                    for line in _rows(per_host, rate_label, streams, result):
+                        print("  ".join(line), flush=True)
+                        table.append(line)
     finally:
         hosts.tear_down()
     if args.markdown:
         lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
         lines += ["| " + " | ".join(row) + " |" for row in table]
         args.markdown.write_text("\n".join(lines) + "\n")
+
+
+def _bits(text: str) -> float:
+    """Bits per second from tc's spelling: 250mbit, 1gbit, 500kbit."""
+    for unit, scale in (("kbit", 1e3), ("mbit", 1e6), ("gbit", 1e9)):
+        if text.endswith(unit) and text[:-len(unit)].replace(".", "", 1).isdigit():
+            return float(text[:-len(unit)]) * scale
+    raise argparse.ArgumentTypeError(f"expected a rate such as 250mbit or 1gbit, not {text!r}")
 
 
 if __name__ == "__main__":

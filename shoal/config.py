@@ -66,6 +66,12 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _streams(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_STREAMS:
+        raise ValueError(f"expected a whole number from 1 to {MAX_STREAMS}")
+    return int(text)
+
+
 def _switch(text: str) -> bool:
     if text not in ("0", "1"):
         raise ValueError("expected 1 (on) or 0 (off)")
@@ -92,6 +98,11 @@ SHOAL_HEARTBEAT_TIMEOUT = Variable[float](
     "SHOAL_HEARTBEAT_TIMEOUT", 5.0, _positive_seconds, "seconds of silence after which a peer is given up")
 SHOAL_SHM = Variable[bool](
     "SHOAL_SHM", True, _switch, "0: ranks on one host talk over TCP only, without shared memory")
+MAX_STREAMS = 16
+SHOAL_STREAMS = Variable[int](
+    "SHOAL_STREAMS", 1, _streams,
+    "TCP connections from each rank to each other rank of a process group; large frames go round them, for "
+    "networks that cap each connection's rate (every rank must give the same number)")
 SHOAL_HOST_ID = Variable[str | None](
     "SHOAL_HOST_ID", None, _host_id,
     "names the host this rank is on, over the boot id: ranks share memory only with those of the same name")

@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 
+from shoal import config
 from shoal.comm.algorithms import placement, ring, routing
 from shoal.comm.algorithms.reduce_op import ReduceOp
 from shoal.comm.algorithms.segments import Segments
@@ -26,7 +27,7 @@ from shoal.comm.backends.point_to_point import PointToPoint
 from shoal.comm.backends.signatures import OPS, describe
 from shoal.comm.backends.work import OpQueue, Work
 from shoal.comm.store import Store
-from shoal.comm.transport import bring_up, dtypes
+from shoal.comm.transport import bring_up, dtypes, striping
 from shoal.comm.transport.frames import Op, Recv, SendTracker
 from shoal.comm.transport.mesh import Transport
 from shoal.comm.transport.staging import staged_flat
@@ -40,22 +41,35 @@ def _at_least(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 
 class _OpChannel:
-    """The `ring.Channel` of one operation: group ranks in, global ranks and frame keys out."""
+    """The `ring.Channel` of one operation: group ranks in, global ranks and frame keys out; a large frame
+    striped over the pair's connections where it has several."""
 
     def __init__(self, group: ShoalProcessGroup, op: Op) -> None:
         self.rank, self.size = group.rank, group.size
         self._group, self.op = group, op
         self._transport = group.transport
+        self._streams = group.transport.streams
         self._tracker = SendTracker()
 
     def recv(self, src: int, sub: int, view: memoryview, process: Callable[[], None] | None = None) -> Recv:
-        return self._transport.post_recv(self.op, self._group.ranks[src], sub, view, process=process)
+        peer = self._group.ranks[src]
+        cuts = striping.cuts(len(view), self._streams)
+        if len(cuts) == 2:
+            return self._transport.post_recv(self.op, peer, sub, view, process=process)
+        whole = Recv(self.op, peer, sub, view, process, None)
+        part_done = striping.gather(whole, len(cuts) - 1)
+        for part, (start, stop) in enumerate(itertools.pairwise(cuts)):
+            self._transport.post_recv(self.op, peer, striping.part_sub(sub, part), view[start:stop], on_done=part_done)
+        return whole
 
     def wait(self, handle: Recv) -> None:
         self._transport.wait(handle)
 
     def send(self, dst: int, sub: int, view: memoryview) -> None:
-        self._transport.send(self.op, self._group.ranks[dst], sub, view, self._tracker)
+        peer = self._group.ranks[dst]
+        cuts = striping.cuts(len(view), self._streams)
+        for part, (start, stop) in enumerate(itertools.pairwise(cuts)):
+            self._transport.send(self.op, peer, striping.part_sub(sub, part), view[start:stop], self._tracker)
 
     def flush(self) -> None:
         self._tracker.wait(self.op.deadline, self.op.name)
@@ -102,7 +116,7 @@ class ShoalProcessGroup(PointToPoint, ProcessGroup):
                master_host: str) -> ShoalProcessGroup:
         """The world group: connected to every other rank (transport/bring_up.py)."""
         transport, entries = bring_up.listen(store, rank, world_size, toward=master_host, timeout=timeout,
-                                             stall_timeout=timeout)
+                                             stall_timeout=timeout, streams=config.SHOAL_STREAMS.get())
         try:
             bring_up.connect(transport, entries, timeout)
         except BaseException:

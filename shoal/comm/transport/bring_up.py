@@ -15,15 +15,15 @@ from shoal.comm.transport.mesh import Transport
 
 def listen(store: Store, rank: int, world_size: int, *, toward: str, timeout: timedelta,
            stall_timeout: timedelta, card: tuple[Any, ...] = (),
-           open_membership: bool = False) -> tuple[Transport, list[list[Any]]]:
+           open_membership: bool = False, streams: int = 1) -> tuple[Transport, list[list[Any]]]:
     """Our transport, listening and published, and every member's entry, [*card, host, port], in rank
     order. `toward` is the store's host: the interface that reaches it is the one peers can reach.
-    With `open_membership`, ranks from `world_size` on may join later (Transport). The transport is
-    closed if any step fails."""
+    With `open_membership`, ranks from `world_size` on may join later; `streams` connections join each
+    pair (Transport). The transport is closed if any step fails."""
     host = local_address_towards(toward)
     secret, session = job_secret(store, rank, host, timeout)
     transport = Transport(rank, world_size, secret=secret, session=session, host=host, stall_timeout=stall_timeout,
-                          open_membership=open_membership)
+                          open_membership=open_membership, streams=streams)
     try:
         store.set(f"members/{rank}", [*card, *transport.address])
         entries = [store.get(f"members/{r}", timeout=timeout) for r in range(world_size)]

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from shoal.backoff import attempts
 from shoal.comm.transport import auth
-from shoal.comm.transport.healing import process_gone, resume_handshake
+from shoal.comm.transport.healing import process_gone, resume_as_dialled, resume_as_dialler
 from shoal.comm.transport.link import PeerLink
 from shoal.comm.transport.matching import Matcher
 from shoal.errors import PeerFailure
@@ -42,7 +42,8 @@ class Connecting:
     _secret: bytes
     _session: bytes
     _lock: threading.Lock
-    _links: dict[int, PeerLink]
+    _links: dict[tuple[int, int], PeerLink]  # (peer, stream) -> its connection
+    _streams: int
     _links_changed: threading.Condition
     _matcher: Matcher
     _listener: socket.socket
@@ -53,11 +54,13 @@ class Connecting:
         """Connect to every lower rank and wait for every higher rank to connect to us."""
         deadline = time.monotonic() + timeout.total_seconds()
         for peer in range(self.rank):
-            address = (addresses[peer][0], addresses[peer][1])
-            sock, _ = self._dial(peer, address, deadline)
-            self._adopt(peer, sock, address[1])
+            for stream in range(self._streams):
+                address = (addresses[peer][0], addresses[peer][1])
+                sock, _ = self._dial(peer, address, deadline, stream=stream)
+                self._adopt(peer, stream, sock, address[1])
         with self._lock:
-            missing = lambda: [r for r in range(self.rank + 1, self.world_size) if r not in self._links]  # noqa: E731
+            missing = lambda: sorted({r for r in range(self.rank + 1, self.world_size)  # noqa: E731
+                                      for s in range(self._streams) if (r, s) not in self._links})
             if not self._links_changed.wait_for(lambda: not missing(),
                                                 timeout=max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"rank {self.rank}: ranks {missing()} did not connect within "
@@ -67,25 +70,31 @@ class Connecting:
         """As a rank that joins a running group: connect to member `peer`. One that is gone (its
         listener refuses) is recorded as lost, as a peer lost later would be; TimeoutError if it is
         not reached within `timeout` (it may live: the join fails, rather than go on without it)."""
-        try:
-            sock, _ = self._dial(peer, address, time.monotonic() + timeout.total_seconds(), refused_is_final=True)
-        except PeerFailure as exc:
-            self.link_lost(peer, f"it was gone when rank {self.rank} joined ({exc.detail})")
-            return
-        self._adopt(peer, sock, address[1])
+        deadline = time.monotonic() + timeout.total_seconds()
+        for stream in range(self._streams):
+            try:
+                sock, _ = self._dial(peer, address, deadline, stream=stream, refused_is_final=True)
+            except PeerFailure as exc:
+                self.link_lost(peer, f"it was gone when rank {self.rank} joined ({exc.detail})")
+                return
+            self._adopt(peer, stream, sock, address[1])
 
-    def _dial(self, peer: int, address: tuple[str, int], deadline: float, *, received: int = 0,
+    def _dial(self, peer: int, address: tuple[str, int], deadline: float, *, stream: int, received: int = 0,
               refused_is_final: bool = False) -> tuple[socket.socket, int]:
-        """An authenticated connection to `peer`, and the last frame it says it received from us."""
+        """An authenticated connection `stream` to `peer`, and the last frame it says it received from us on it."""
         error: OSError | None = None
         for _ in attempts(deadline):  # the peer's listener may not be up yet, or the network may be down
             try:
                 sock = socket.create_connection(address, timeout=min(_CONNECT_ATTEMPT_S,
                                                                      max(0.1, deadline - time.monotonic())))
-                sock.settimeout(min(_HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
-                auth.client_handshake(sock, self._secret, self._session, my_rank=self.rank, peer_rank=peer)
-                peer_received, _ = resume_handshake(sock, received, self.address[1])
-                _configure(sock, self._stall_timeout)
+                try:
+                    sock.settimeout(min(_HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
+                    auth.client_handshake(sock, self._secret, self._session, my_rank=self.rank, peer_rank=peer)
+                    peer_received, _ = resume_as_dialler(sock, stream, self._streams, received, self.address[1])
+                    _configure(sock, self._stall_timeout)
+                except BaseException:
+                    sock.close()
+                    raise
                 return sock, peer_received
             except auth.AuthenticationError as exc:
                 if not refused_is_final:
@@ -101,7 +110,8 @@ class Connecting:
                            f"{error}")
 
     def redial(self, link: PeerLink, address: tuple[str, int], deadline: float) -> tuple[socket.socket, int]:
-        return self._dial(link.rank, address, deadline, received=link.received, refused_is_final=True)
+        return self._dial(link.rank, address, deadline, stream=link.stream, received=link.received,
+                          refused_is_final=True)
 
     def _accept_loop(self) -> None:
         while True:
@@ -117,11 +127,15 @@ class Connecting:
             peer = auth.server_handshake(conn, self._secret, self._session, my_rank=self.rank,
                                          world_size=None if self._open else self.world_size,
                                          admit=self._check_newcomer)
-            link = self._links.get(peer)
-            peer_received, peer_port = resume_handshake(conn, link.received if link else 0, self.address[1])
+
+            def received_on(stream: int) -> int:
+                link = self._links.get((peer, stream))
+                return link.received if link else 0
+            peer_received, peer_port, stream = resume_as_dialled(conn, self._streams, received_on, self.address[1])
             _configure(conn, self._stall_timeout)
+            link = self._links.get((peer, stream))
             if link is None:
-                self._adopt(peer, conn, peer_port)
+                self._adopt(peer, stream, conn, peer_port)
             else:
                 link.replace(conn, peer_received)
         except auth.HandshakeAbandoned:
@@ -139,27 +153,33 @@ class Connecting:
             if (failure := self._matcher.failure(peer)) is not None:
                 raise auth.AuthenticationError(f"rank {peer} was given up: {failure}")
 
-    def _adopt(self, peer: int, sock: socket.socket, peer_port: int) -> None:
+    def _adopt(self, peer: int, stream: int, sock: socket.socket, peer_port: int) -> None:
         link = PeerLink(self, peer, sock, dialer=peer < self.rank, peer_port=peer_port,
-                        heal_timeout=self._heal_timeout)
+                        heal_timeout=self._heal_timeout, stream=stream)
         with self._lock:
-            if peer in self._links or self.closed:
+            if (peer, stream) in self._links or self.closed:
                 raise auth.AuthenticationError(f"rank {peer} is already connected")
-            self._links[peer] = link
+            self._links[peer, stream] = link
             self._links_changed.notify_all()
         link.start(self._start)
 
-    def _link(self, dst: int) -> PeerLink:
-        """The link to `dst`. A rank that has just joined may be known (through the store) a moment
-        before its connection here is adopted: that is waited for, briefly."""
-        link = self._links.get(dst)
+    def _link(self, dst: int, stream: int = 0) -> PeerLink:
+        """Connection `stream` to `dst`. A rank that has just joined may be known (through the store) a
+        moment before its connection here is adopted: that is waited for, briefly."""
+        key = (dst, stream)
+        link = self._links.get(key)
         if link is None:
             with self._lock:
-                self._links_changed.wait_for(lambda: dst in self._links or self.closed, timeout=_ADOPT_WAIT_S)
-                link = self._links.get(dst)
+                self._links_changed.wait_for(lambda: key in self._links or self.closed, timeout=_ADOPT_WAIT_S)
+                link = self._links.get(key)
             if link is None:
                 raise PeerFailure(dst, f"rank {self.rank} has no connection to it")
         return link
+
+    def _streams_to(self, rank: int) -> list[PeerLink]:
+        """Every connection to `rank` there is."""
+        return [link for s in range(self._streams) if (link := self._links.get((rank, s))) is not None]
+
 
 def _configure(sock: socket.socket, stall_timeout: timedelta) -> None:
     sock.settimeout(None)

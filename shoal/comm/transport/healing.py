@@ -1,5 +1,5 @@
 """How a link survives the loss of its TCP connection while both processes live: the higher rank dials again,
-both sides authenticate and tell each other the last frame they received (`resume_handshake`), and the
+both sides authenticate and tell each other the last frame they received (`resume_as_dialler`), and the
 sender replays the rest of its window; the receiver drops any frame it already has, so every frame is
 delivered exactly once and in order. A peer whose listener refuses connections is gone, not healing."""
 
@@ -10,6 +10,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from shoal.comm.transport.frame_header import recv_exact
@@ -21,17 +22,45 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Sent by both ends of a new connection, after authenticating: the last frame number each has received,
-# and the port its listener is on (where the other end dials, or probes whether this process lives).
-_RESUME = struct.Struct("<QH")
+# Sent by both ends of a new connection, after authenticating: the last frame number each has received on it,
+# the port its listener is on (where the other end dials, or probes whether this process lives), which of
+# the pair's connections it is, and how many each rank opens to each other rank.
+_RESUME = struct.Struct("<QHBB")
 
 
-def resume_handshake(sock: socket.socket, received: int, listen_port: int) -> tuple[int, int]:
-    """Exchange (last frame received, listener port) with the peer on a freshly authenticated socket."""
-    sock.sendall(_RESUME.pack(received, listen_port))
+def resume_as_dialler(sock: socket.socket, stream: int, streams: int, received: int,
+                      listen_port: int) -> tuple[int, int]:
+    """Resume connection `stream` of our `streams` to a peer on a freshly authenticated socket that we
+    dialled: (the last frame the peer received on it, its listener's port)."""
+    sock.sendall(_RESUME.pack(received, listen_port, stream, streams))
+    peer_received, peer_port, _, peer_streams = _read_resume(sock)
+    _agree(streams, peer_streams)
+    return peer_received, peer_port
+
+
+def resume_as_dialled(sock: socket.socket, streams: int, received_on: Callable[[int], int],
+                      listen_port: int) -> tuple[int, int, int]:
+    """Resume a connection a peer dialled to us: (the last frame it received on it, its listener's port,
+    which of the pair's connections it is); `received_on(stream)` is our last frame received on that one."""
+    peer_received, peer_port, stream, peer_streams = _read_resume(sock)
+    valid = stream < peer_streams == streams
+    sock.sendall(_RESUME.pack(received_on(stream) if valid else 0, listen_port, stream, streams))
+    _agree(streams, peer_streams)
+    if not valid:
+        raise ValueError(f"a peer resumed connection {stream} of {peer_streams}")
+    return peer_received, peer_port, stream
+
+
+def _read_resume(sock: socket.socket) -> tuple[int, int, int, int]:
     reply = bytearray(_RESUME.size)
     recv_exact(sock, memoryview(reply))
     return _RESUME.unpack(reply)
+
+
+def _agree(ours: int, theirs: int) -> None:
+    if ours != theirs:
+        raise ValueError(f"this rank opens {ours} connection(s) to each other rank and its peer {theirs}: "
+                         f"SHOAL_STREAMS must be the same on every rank")
 
 
 class Healing:

@@ -49,11 +49,13 @@ class LinkOwner(Protocol):
 
 
 class PeerLink(Delivery, Reading, Healing):
-    """The connection to one peer; `dialer` when this rank dials it (the higher rank of the two)."""
+    """A connection to one peer; `dialer` when this rank dials it (the higher rank of the two). `stream`
+    numbers the pair's connections where it has several (config.SHOAL_STREAMS); the first carries all
+    but large frames, and only it offers shared memory."""
 
     def __init__(self, owner: LinkOwner, rank: int, sock: socket.socket, *, dialer: bool,
-                 peer_port: int, heal_timeout: float) -> None:
-        self.rank = rank
+                 peer_port: int, heal_timeout: float, stream: int = 0) -> None:
+        self.rank, self.stream = rank, stream
         self._owner = owner
         self._sock = sock
         self._dialer = dialer
@@ -91,12 +93,18 @@ class PeerLink(Delivery, Reading, Healing):
 
     def start(self, start_thread: Callable[..., None]) -> None:
         """Start reading and sending, offering a shared-memory lane first where this host has them."""
-        start_thread(self._read_loop, name=f"shoal-read-{self.rank}")
-        if lanes.available():
+        suffix = f"-{self.stream}" if self.stream else ""
+        start_thread(self._read_loop, name=f"shoal-read-{self.rank}{suffix}")
+        if self.stream == 0 and lanes.available():
             self._lane_out = lanes.Outbound()
             name = self._lane_out.name.encode()
             self._enqueue(FrameHeader(Kind.SHM_OFFER, len(name)), memoryview(name), None)
-        start_thread(self._send_loop, name=f"shoal-send-{self.rank}")
+        start_thread(self._send_loop, name=f"shoal-send-{self.rank}{suffix}")
+
+    @property
+    def shares_memory(self) -> bool:
+        """Whether large frames to the peer go through shared memory (it is on this host)."""
+        return self._lane_out is not None and self._lane_out.ready
 
     def _accept_lane(self, name: str) -> None:
         try:

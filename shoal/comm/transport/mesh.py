@@ -1,6 +1,6 @@
 """Authenticated peer-to-peer byte transport: a full mesh of connections between the ranks of a job
-(one `PeerLink` per peer), operations' frames sent over them and matched on arrival (`Matcher`), and
-the bookkeeping of peers that crash or leave."""
+(a `PeerLink` per peer, or several: `streams`), operations' frames sent over them and matched on arrival
+(`Matcher`), and the bookkeeping of peers that crash or leave."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from shoal import config
+from shoal.comm.transport import striping
 from shoal.comm.transport.connecting import Connecting
+from shoal.comm.transport.delivery import INLINE_BYTES
 from shoal.comm.transport.frame_header import ACK_NOW, FrameHeader, Kind
 from shoal.comm.transport.frames import Op, Payload, Recv, SendTracker
 from shoal.comm.transport.link import PeerLink
@@ -38,16 +40,20 @@ class Transport(Connecting):
 
     def __init__(self, rank: int, world_size: int, *, secret: bytes, session: bytes, host: str,
                  stall_timeout: timedelta, heal_timeout: timedelta | None = None,
-                 heartbeat_timeout: timedelta | None = None, open_membership: bool = False) -> None:
-        """With `open_membership`, ranks from `world_size` on may join later: they dial every member."""
-        self.rank, self.world_size, self._open = rank, world_size, open_membership
+                 heartbeat_timeout: timedelta | None = None, open_membership: bool = False, streams: int = 1) -> None:
+        """With `open_membership`, ranks from `world_size` on may join later: they dial every member.
+        `streams`: how many TCP connections each pair of ranks has (config.SHOAL_STREAMS); large frames
+        to a peer on another host go round them."""
+        if not 1 <= streams <= config.MAX_STREAMS:
+            raise ValueError(f"streams must be from 1 to {config.MAX_STREAMS}, not {streams}")
+        self.rank, self.world_size, self._open, self._streams = rank, world_size, open_membership, streams
         self._stall_timeout = stall_timeout
         self._heal_timeout = _seconds(heal_timeout, config.SHOAL_HEAL_TIMEOUT)
         self._heartbeat_timeout = _seconds(heartbeat_timeout, config.SHOAL_HEARTBEAT_TIMEOUT)
         config.SHOAL_HOST_ID.get()  # a bad name fails here, naming itself, not later inside a link's thread
         self._secret, self._session = secret, session
         self._lock = threading.Lock()
-        self._links: dict[int, PeerLink] = {}
+        self._links: dict[tuple[int, int], PeerLink] = {}
         self._links_changed = threading.Condition(self._lock)
         self._matcher = Matcher(rank, self.abort)
         self._handlers: dict[int, FrameHandler] = {}
@@ -68,6 +74,11 @@ class Transport(Connecting):
             self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(thread)
         thread.start()
+
+    @property
+    def streams(self) -> int:
+        """How many connections each pair of ranks has."""
+        return self._streams
 
     def serve(self, group: int, handler: FrameHandler) -> None:
         """Hand every frame of `group` to `handler` instead of matching it to posted receives: for
@@ -115,7 +126,15 @@ class Transport(Connecting):
         opcode, dtype, redop, root, numel = op.sig
         header = FrameHeader(Kind.DATA, len(payload), op.group, op.tag, op.seq, sub, opcode, dtype, redop, root,
                              numel, flags=ACK_NOW)
-        self._link(dst).send(header, payload, tracker)
+        self._route(dst, striping.spread(op.seq, sub), len(payload)).send(header, payload, tracker)
+
+    def _route(self, dst: int, spread: int, nbytes: int) -> PeerLink:
+        """The connection a frame to `dst` goes on: large frames go round the pair's connections by
+        `spread`, unless they go through shared memory; the rest keep to the first."""
+        first = self._link(dst)
+        if self._streams == 1 or nbytes <= INLINE_BYTES or first.shares_memory:
+            return first
+        return self._link(dst, spread % self._streams)
 
     def send_message(self, dst: int, group: int, tag: int, seq: int, sub: int, payload: memoryview,
                      tracker: SendTracker | None, *, acknowledge: bool) -> None:
@@ -149,7 +168,7 @@ class Transport(Connecting):
         text = memoryview(str(error).encode()[:MAX_ABORT_TEXT])
         header = FrameHeader(Kind.ABORT, len(text), op.group, op.tag, op.seq)
         for rank in op.ranks:
-            link = self._links.get(rank)
+            link = self._links.get((rank, 0))
             if link is not None and not self._matcher.is_lost(rank):
                 link.send(header, text, None)
         self._matcher.fail_op(op.ident, error, op.ranks[0])
@@ -176,6 +195,8 @@ class Transport(Connecting):
         self._matcher.fail_op(header.ident, CollectiveMismatchError(text), link.rank)
 
     def on_bye(self, link: PeerLink) -> PeerFailure:
+        if link.stream:  # a peer says goodbye on its first connection last, once the others have theirs
+            return PeerFailure(link.rank, "it is leaving the group (destroy_process_group)")
         error = self._matcher.peer_departed(link.rank)
         self._tell_listeners(error)
         return error
@@ -187,8 +208,7 @@ class Transport(Connecting):
         if not self.closed:
             log.warning("rank %d lost rank %d: %s", self.rank, rank, reason)
         self._tell_listeners(error)
-        link = self._links.get(rank)
-        if link is not None:
+        for link in self._streams_to(rank):
             link.fail(error)
             link.shutdown(socket.SHUT_RDWR)  # wakes its reader
         if not self.closed:  # recorded once everyone waiting on the peer knows
@@ -197,9 +217,10 @@ class Transport(Connecting):
         return error
 
     def sever(self, rank: int) -> None:
-        """Drop the connection to `rank` as a network fault would; the link heals itself. For fault
+        """Drop the connections to `rank` as a network fault would; the links heal themselves. For fault
         drills and tests of retransmission."""
-        self._links[rank].sever()
+        for link in self._streams_to(rank):
+            link.sever()
 
     def _heartbeat_loop(self) -> None:
         interval = self._heartbeat_timeout / 5
@@ -226,13 +247,18 @@ class Transport(Connecting):
             links = list(self._links.values())
         self._stopping.set()
         self._matcher.close()
-        done = SendTracker()
-        for link in links:
-            link.finish(done)
-        try:
-            done.wait(time.monotonic() + timeout.total_seconds(), f"rank {self.rank} closing")
-        except (TimeoutError, PeerFailure):
-            pass  # a peer that is already gone needs no goodbye
+        farewell = time.monotonic() + timeout.total_seconds()
+        # The goodbye on a pair's first connection goes once those on its others are in: a peer told we left
+        # then has every frame we sent it, whichever connection it took.
+        for last in (False, True):
+            done = SendTracker()
+            for link in links:
+                if (link.stream == 0) == last:
+                    link.finish(done)
+            try:
+                done.wait(farewell, f"rank {self.rank} closing")
+            except (TimeoutError, PeerFailure):
+                pass  # a peer that is already gone needs no goodbye
         for link in links:
             link.release_lane()
             link.shutdown(socket.SHUT_WR)  # our goodbye is ahead of the FIN; we read on until theirs

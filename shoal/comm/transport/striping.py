@@ -1,0 +1,53 @@
+"""A collective's large frame striped over a pair's several connections (config.SHOAL_STREAMS): it goes as
+parts, one to a connection, so that a network that caps each connection's rate carries it at the rate of
+them all. Both ends cut a frame alike, from its size and the number of connections alone (which every
+rank must give alike), so the receiver posts the parts the sender sends; which connection a part takes is
+the sender's choice, as parts are matched by their numbers, not by where they arrive."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from shoal.comm.transport.frames import Recv
+
+PART_MIN = 256 << 10  # smaller parts cost more in per-frame work than another connection's rate brings
+_SHIFT = 24  # a part's index goes above the frame's own number, which stays below 2**24
+_OWN = (1 << _SHIFT) - 1
+
+
+def cuts(nbytes: int, streams: int) -> list[int]:
+    """Offsets cutting a frame of `nbytes` into its parts: one part unless it is large and there are several
+    connections."""
+    parts = max(1, min(streams, nbytes // PART_MIN))
+    return [nbytes * i // parts for i in range(parts + 1)]
+
+
+def part_sub(sub: int, part: int) -> int:
+    """The number part `part` of frame `sub` goes under (part 0, or a frame not striped, under the frame's own)."""
+    if part == 0:
+        return sub
+    if sub > _OWN:
+        raise ValueError(f"frame number {sub} is too large to be striped")
+    return sub | part << _SHIFT
+
+
+def spread(seq: int, sub: int) -> int:
+    """Which of a pair's connections frame `sub` of operation `seq` goes on, modulo their number: an
+    operation's frames, and a frame's parts, take them in turn."""
+    return seq + (sub & _OWN) + (sub >> _SHIFT)
+
+
+def gather(whole: Recv, parts: int) -> Callable[[Recv], None]:
+    """The `on_done` of each of the `parts` receives of frame `whole`: the last to land, or the first to fail,
+    finishes it (and so runs its `process`, on that part's reader thread)."""
+    left = [parts]
+    lock = threading.Lock()
+
+    def part_done(part: Recv) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if part.error is not None or last:
+            whole.finish(part.error)
+    return part_done

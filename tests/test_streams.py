@@ -1,0 +1,134 @@
+"""Several TCP connections per pair of ranks (SHOAL_STREAMS): large frames go round them, every result is
+the same as over one, a frame sent just before its sender leaves still arrives, the connections heal
+like one, and ranks that disagree on the number are told so."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+
+import shoal.distributed as dist
+from shoal.comm.transport import striping
+from shoal.comm.transport.frames import Op, Recv
+from shoal.errors import PeerFailure
+from tests.ranks import RankFailed, run_ranks
+
+_STREAMS = {"SHOAL_STREAMS": "3", "SHOAL_SHM": "0"}  # SHOAL_SHM=0: between ranks as between hosts
+
+
+def _frames_per_stream(peer: int) -> list[int]:
+    links = dist.default_group().transport._links
+    return [links[peer, s]._next_number - 1 for s in range(3)]
+
+
+def _collectives_over_streams(rank: int, world: int) -> dict:
+    numel = 3_000_001  # many 2 MiB chunks per ring step
+    t = torch.arange(numel, dtype=torch.float64) * (rank + 1)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.arange(numel, dtype=torch.float64) * sum(range(1, world + 1)))
+    b = torch.arange(numel, dtype=torch.float32) if rank == 1 else torch.zeros(numel)
+    dist.broadcast(b, src=1)
+    assert torch.equal(b, torch.arange(numel, dtype=torch.float32))
+    outs = [torch.empty(1_000_003, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(outs, torch.full((1_000_003,), rank, dtype=torch.int64))
+    assert all(torch.equal(o, torch.full_like(o, r)) for r, o in enumerate(outs))
+    # Point to point: messages of one tag spread over the connections, and still pair up in order.
+    if rank == 0:
+        works = [dist.isend(torch.full((500_000,), float(i)), dst=1) for i in range(6)]
+        for work in works:
+            work.wait()
+    elif rank == 1:
+        for i in range(6):
+            got = torch.empty(500_000)
+            dist.recv(got, src=0)
+            assert torch.equal(got, torch.full_like(got, float(i))), f"message {i} out of order"
+    dist.barrier()
+    return _frames_per_stream((rank + 1) % world)  # the ring's large frames go to the right
+
+
+def test_large_frames_go_round_every_stream_with_the_results_of_one() -> None:
+    for rank, frames in run_ranks(_collectives_over_streams, 3, env=_STREAMS, timeout=120).items():
+        assert all(n > 0 for n in frames[1:]), f"rank {rank} sent nothing on its other streams: {frames}"
+
+
+def _send_and_leave(rank: int, world: int) -> None:
+    big = 4_000_000
+    if rank == 0:  # messages not waited for: the goodbye follows them; the second goes on another stream
+        dist.isend(torch.zeros(big), dst=1)
+        dist.isend(torch.arange(big, dtype=torch.float32), dst=1)
+        dist.destroy_process_group()
+        return
+    got = torch.empty(big)
+    dist.recv(got, src=0)
+    dist.recv(got, src=0)
+    assert torch.equal(got, torch.arange(big, dtype=torch.float32))
+
+
+def test_a_frame_sent_on_another_stream_just_before_leaving_arrives() -> None:
+    for _ in range(3):
+        run_ranks(_send_and_leave, 2, env=_STREAMS, timeout=60)
+
+
+def _all_reduce_while_severed(rank: int, world: int) -> int:
+    transport = dist.default_group().transport
+    for i in range(8):
+        t = torch.arange(2_000_003, dtype=torch.float64) + rank + i
+        work = dist.all_reduce(t, async_op=True)
+        transport.sever(1 - rank)  # every connection to the peer drops mid-operation
+        work.wait()
+        assert torch.equal(t, 2 * torch.arange(2_000_003, dtype=torch.float64) + 1 + 2 * i), f"round {i}"
+    return i + 1
+
+
+def test_every_stream_heals_with_each_result_right() -> None:
+    assert run_ranks(_all_reduce_while_severed, 2, env=_STREAMS, timeout=120) == {0: 8, 1: 8}
+
+
+def _disagree(rank: int, world: int, port: int) -> None:
+    os.environ["SHOAL_STREAMS"] = str(rank + 1)
+    dist.init_process_group("shoal", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=10))
+
+
+def test_ranks_that_disagree_on_the_number_of_streams_are_told_so() -> None:
+    with pytest.raises(RankFailed, match="SHOAL_STREAMS must be the same on every rank"):
+        run_ranks(_disagree, 2, backend=None, env={"SHOAL_SHM": "0"}, timeout=60)
+
+
+def test_a_frame_is_cut_alike_from_its_size_and_its_parts_are_numbered_apart() -> None:
+    assert striping.cuts(64 << 10, 4) == [0, 64 << 10]  # small: whole
+    assert striping.cuts(4 << 20, 4) == [0, 1 << 20, 2 << 20, 3 << 20, 4 << 20]
+    assert striping.cuts(600 << 10, 4) == [0, 300 << 10, 600 << 10]  # no part under PART_MIN
+    assert striping.cuts(4 << 20, 1) == [0, 4 << 20]
+    numbers = {striping.part_sub(sub, part) for sub in range(100) for part in range(16)}
+    assert len(numbers) == 1600
+    assert len({striping.spread(7, striping.part_sub(3, part)) % 4 for part in range(4)}) == 4
+    with pytest.raises(ValueError, match="too large to be striped"):
+        striping.part_sub(1 << 24, 1)
+
+
+def _striped(process) -> tuple[Recv, list[Recv]]:
+    op = Op(0, -1, 0, (0, 0, 0, 0, 0), (0, 1), timedelta(seconds=5), "all_reduce", str)
+    whole = Recv(op, 1, 0, memoryview(bytearray(8)), process, None)
+    done = striping.gather(whole, 3)
+    return whole, [Recv(op, 1, striping.part_sub(0, p), memoryview(bytearray(1)), None, done) for p in range(3)]
+
+
+def test_a_striped_frame_is_processed_once_all_its_parts_are_in_and_fails_with_its_first_failed_part() -> None:
+    processed = []
+    whole, parts = _striped(lambda: processed.append(True))
+    parts[2].finish()
+    parts[0].finish()
+    assert not whole.event.is_set() and not processed
+    parts[1].finish()
+    assert whole.event.is_set() and whole.error is None and processed == [True]
+
+    whole, parts = _striped(lambda: processed.append(False))
+    parts[1].finish(PeerFailure(1, "gone"))
+    assert whole.event.is_set() and isinstance(whole.error, PeerFailure)
+    parts[0].finish()
+    parts[2].finish(PeerFailure(1, "gone"))
+    assert processed == [True]  # a failed frame is never processed
