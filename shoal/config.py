@@ -98,7 +98,7 @@ SHOAL_HEARTBEAT_TIMEOUT = Variable[float](
     "SHOAL_HEARTBEAT_TIMEOUT", 5.0, _positive_seconds, "seconds of silence after which a peer is given up")
 SHOAL_SHM = Variable[bool](
     "SHOAL_SHM", True, _switch, "0: ranks on one host talk over TCP only, without shared memory")
-MAX_STREAMS = 16
+MAX_STREAMS = 8  # a part's index and count have 3 bits each (comm/transport/striping.py)
 SHOAL_STREAMS = Variable[int](
     "SHOAL_STREAMS", 1, _streams,
     "TCP connections from each rank to each other rank of a process group; large frames go round them, for "

@@ -61,7 +61,7 @@ def test_an_unset_or_empty_variable_has_its_default(monkeypatch: pytest.MonkeyPa
     (config.SHOAL_HEARTBEAT_TIMEOUT, "soon", "SHOAL_HEARTBEAT_TIMEOUT='soon': expected a number of seconds"),
     (config.SHOAL_FLIGHT_RECORDER, "many", "SHOAL_FLIGHT_RECORDER='many': expected a whole number, 0 or more"),
     (config.SHOAL_SHM, "yes", "SHOAL_SHM='yes': expected 1 \\(on\\) or 0 \\(off\\)"),
-    (config.SHOAL_STREAMS, "0", "SHOAL_STREAMS='0': expected a whole number from 1 to 16"),
+    (config.SHOAL_STREAMS, "0", "SHOAL_STREAMS='0': expected a whole number from 1 to 8"),
     (config.RANK, "first", "RANK='first': expected a whole number, 0 or more"),
     (config.SHOAL_HOST_ID, "rack/1", "SHOAL_HOST_ID='rack/1': expected a name of at most 64 ASCII letters, "
                                      "digits, '-', '_' or '.'"),

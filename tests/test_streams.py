@@ -5,6 +5,7 @@ like one, and ranks that disagree on the number are told so."""
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import pytest
@@ -14,7 +15,7 @@ import shoal.distributed as dist
 from shoal.comm.transport import striping
 from shoal.comm.transport.frames import Op, Recv
 from shoal.errors import PeerFailure
-from tests.ranks import RankFailed, run_ranks
+from tests.ranks import run_ranks
 
 _STREAMS = {"SHOAL_STREAMS": "3", "SHOAL_SHM": "0"}  # SHOAL_SHM=0: between ranks as between hosts
 
@@ -46,23 +47,31 @@ def _collectives_over_streams(rank: int, world: int) -> dict:
             dist.recv(got, src=0)
             assert torch.equal(got, torch.full_like(got, float(i))), f"message {i} out of order"
     dist.barrier()
-    return _frames_per_stream((rank + 1) % world)  # the ring's large frames go to the right
+    # One frame of 2 MiB (a broadcast's one chunk, from rank 0 to rank 1) goes in parts, one per stream.
+    before = _frames_per_stream(1) if rank == 0 else None
+    one_chunk = torch.full((1 << 19,), 7.0) if rank == 0 else torch.empty(1 << 19)
+    dist.broadcast(one_chunk, src=0)
+    assert torch.equal(one_chunk, torch.full_like(one_chunk, 7.0))
+    return None if before is None else [b - a for a, b in zip(before, _frames_per_stream(1), strict=True)]
 
 
 def test_large_frames_go_round_every_stream_with_the_results_of_one() -> None:
-    for rank, frames in run_ranks(_collectives_over_streams, 3, env=_STREAMS, timeout=120).items():
-        assert all(n > 0 for n in frames[1:]), f"rank {rank} sent nothing on its other streams: {frames}"
+    parts = run_ranks(_collectives_over_streams, 3, env=_STREAMS, timeout=120)[0]
+    assert parts == [1, 1, 1], f"rank 0's one frame to rank 1 went as {parts} frames per stream"
 
 
 def _send_and_leave(rank: int, world: int) -> None:
-    big = 4_000_000
+    big = 8_000_000
     if rank == 0:  # messages not waited for: the goodbye follows them; the second goes on another stream
-        dist.isend(torch.zeros(big), dst=1)
+        dist.isend(torch.zeros(1), dst=1)
         dist.isend(torch.arange(big, dtype=torch.float32), dst=1)
         dist.destroy_process_group()
         return
+    dist.recv(torch.empty(1), src=0)
+    transport = dist.default_group().transport
+    while transport.failure(0) is None:  # told that rank 0 left: its frames must all be here by now
+        time.sleep(0.001)
     got = torch.empty(big)
-    dist.recv(got, src=0)
     dist.recv(got, src=0)
     assert torch.equal(got, torch.arange(big, dtype=torch.float32))
 
@@ -93,9 +102,18 @@ def _disagree(rank: int, world: int, port: int) -> None:
                             timeout=timedelta(seconds=10))
 
 
+def _disagree_and_say(rank: int, world: int, port: int) -> str:
+    try:
+        _disagree(rank, world, port)
+    except (ValueError, TimeoutError) as exc:
+        return str(exc)
+    return "connected"
+
+
 def test_ranks_that_disagree_on_the_number_of_streams_are_told_so() -> None:
-    with pytest.raises(RankFailed, match="SHOAL_STREAMS must be the same on every rank"):
-        run_ranks(_disagree, 2, backend=None, env={"SHOAL_SHM": "0"}, timeout=60)
+    said = run_ranks(_disagree_and_say, 2, backend=None, env={"SHOAL_SHM": "0"}, timeout=60)
+    assert "keeps 2 connection(s) to each other rank and rank 0 1: SHOAL_STREAMS must be" in said[1]
+    assert "rank 1's was refused: this rank keeps 1 connection(s) to each other rank and rank 1 2" in said[0]
 
 
 def test_a_frame_is_cut_alike_from_its_size_and_its_parts_are_numbered_apart() -> None:
@@ -103,18 +121,20 @@ def test_a_frame_is_cut_alike_from_its_size_and_its_parts_are_numbered_apart() -
     assert striping.cuts(4 << 20, 4) == [0, 1 << 20, 2 << 20, 3 << 20, 4 << 20]
     assert striping.cuts(600 << 10, 4) == [0, 300 << 10, 600 << 10]  # no part under PART_MIN
     assert striping.cuts(4 << 20, 1) == [0, 4 << 20]
-    numbers = {striping.part_sub(sub, part) for sub in range(100) for part in range(16)}
-    assert len(numbers) == 1600
-    assert len({striping.spread(7, striping.part_sub(3, part)) % 4 for part in range(4)}) == 4
+    numbers = {striping.part_sub(sub, part, parts) for sub in range(100) for parts in range(1, 9)
+               for part in range(parts)}
+    assert len(numbers) == 100 * 36 and max(numbers) < 1 << 30  # below placement's record numbers
+    assert striping.part_sub(5, 0, 1) == 5
+    assert len({striping.spread(7, striping.part_sub(3, part, 4)) % 4 for part in range(4)}) == 4
     with pytest.raises(ValueError, match="too large to be striped"):
-        striping.part_sub(1 << 24, 1)
+        striping.part_sub(1 << 24, 1, 2)
 
 
 def _striped(process) -> tuple[Recv, list[Recv]]:
     op = Op(0, -1, 0, (0, 0, 0, 0, 0), (0, 1), timedelta(seconds=5), "all_reduce", str)
     whole = Recv(op, 1, 0, memoryview(bytearray(8)), process, None)
     done = striping.gather(whole, 3)
-    return whole, [Recv(op, 1, striping.part_sub(0, p), memoryview(bytearray(1)), None, done) for p in range(3)]
+    return whole, [Recv(op, 1, striping.part_sub(0, p, 3), memoryview(bytearray(1)), None, done) for p in range(3)]
 
 
 def test_a_striped_frame_is_processed_once_all_its_parts_are_in_and_fails_with_its_first_failed_part() -> None:

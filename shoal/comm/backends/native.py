@@ -59,7 +59,8 @@ class _OpChannel:
         whole = Recv(self.op, peer, sub, view, process, None)
         part_done = striping.gather(whole, len(cuts) - 1)
         for part, (start, stop) in enumerate(itertools.pairwise(cuts)):
-            self._transport.post_recv(self.op, peer, striping.part_sub(sub, part), view[start:stop], on_done=part_done)
+            self._transport.post_recv(self.op, peer, striping.part_sub(sub, part, len(cuts) - 1), view[start:stop],
+                                      on_done=part_done)
         return whole
 
     def wait(self, handle: Recv) -> None:
@@ -69,7 +70,8 @@ class _OpChannel:
         peer = self._group.ranks[dst]
         cuts = striping.cuts(len(view), self._streams)
         for part, (start, stop) in enumerate(itertools.pairwise(cuts)):
-            self._transport.send(self.op, peer, striping.part_sub(sub, part), view[start:stop], self._tracker)
+            self._transport.send(self.op, peer, striping.part_sub(sub, part, len(cuts) - 1), view[start:stop],
+                                 self._tracker)
 
     def flush(self) -> None:
         self._tracker.wait(self.op.deadline, self.op.name)

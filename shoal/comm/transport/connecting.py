@@ -44,6 +44,7 @@ class Connecting:
     _lock: threading.Lock
     _links: dict[tuple[int, int], PeerLink]  # (peer, stream) -> its connection
     _streams: int
+    _refused: dict[int, str]  # why a peer's connection was refused after it authenticated, for connect_mesh
     _links_changed: threading.Condition
     _matcher: Matcher
     _listener: socket.socket
@@ -63,8 +64,10 @@ class Connecting:
                                       for s in range(self._streams) if (r, s) not in self._links})
             if not self._links_changed.wait_for(lambda: not missing(),
                                                 timeout=max(0.0, deadline - time.monotonic())):
+                refused = "".join(f"; rank {r}'s was refused: {self._refused[r]}"
+                                  for r in missing() if r in self._refused)
                 raise TimeoutError(f"rank {self.rank}: ranks {missing()} did not connect within "
-                                   f"{timeout.total_seconds():g}s")
+                                   f"{timeout.total_seconds():g}s{refused}")
 
     def dial_member(self, peer: int, address: tuple[str, int], timeout: timedelta) -> None:
         """As a rank that joins a running group: connect to member `peer`. One that is gone (its
@@ -90,7 +93,8 @@ class Connecting:
                 try:
                     sock.settimeout(min(_HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
                     auth.client_handshake(sock, self._secret, self._session, my_rank=self.rank, peer_rank=peer)
-                    peer_received, _ = resume_as_dialler(sock, stream, self._streams, received, self.address[1])
+                    peer_received, _ = resume_as_dialler(sock, peer, stream, self._streams, received,
+                                                         self.address[1])
                     _configure(sock, self._stall_timeout)
                 except BaseException:
                     sock.close()
@@ -122,6 +126,7 @@ class Connecting:
             self._start(self._admit, conn, name="shoal-handshake")
 
     def _admit(self, conn: socket.socket) -> None:
+        peer = None
         try:
             conn.settimeout(_HANDSHAKE_TIMEOUT_S)
             peer = auth.server_handshake(conn, self._secret, self._session, my_rank=self.rank,
@@ -131,7 +136,8 @@ class Connecting:
             def received_on(stream: int) -> int:
                 link = self._links.get((peer, stream))
                 return link.received if link else 0
-            peer_received, peer_port, stream = resume_as_dialled(conn, self._streams, received_on, self.address[1])
+            peer_received, peer_port, stream = resume_as_dialled(conn, peer, self._streams, received_on,
+                                                                   self.address[1])
             _configure(conn, self._stall_timeout)
             link = self._links.get((peer, stream))
             if link is None:
@@ -142,6 +148,8 @@ class Connecting:
             conn.close()  # a peer checking that we are alive, or one that gave up
         except (OSError, struct.error, ValueError) as exc:
             log.warning("rank %d rejected a connection: %s", self.rank, exc)
+            if isinstance(exc, ValueError) and peer is not None:
+                self._refused[peer] = str(exc)
             conn.close()
 
     def _check_newcomer(self, peer: int) -> None:

@@ -1,7 +1,8 @@
 """How a link survives the loss of its TCP connection while both processes live: the higher rank dials again,
-both sides authenticate and tell each other the last frame they received (`resume_as_dialler`), and the
-sender replays the rest of its window; the receiver drops any frame it already has, so every frame is
-delivered exactly once and in order. A peer whose listener refuses connections is gone, not healing."""
+both sides authenticate and tell each other the last frame they received (`resume_as_dialler`,
+`resume_as_dialled`), and the sender replays the rest of its window; the receiver drops any frame it already
+has, so every frame is delivered exactly once and in order. A peer whose listener refuses connections is
+gone, not healing."""
 
 from __future__ import annotations
 
@@ -28,24 +29,24 @@ log = logging.getLogger(__name__)
 _RESUME = struct.Struct("<QHBB")
 
 
-def resume_as_dialler(sock: socket.socket, stream: int, streams: int, received: int,
+def resume_as_dialler(sock: socket.socket, peer: int, stream: int, streams: int, received: int,
                       listen_port: int) -> tuple[int, int]:
-    """Resume connection `stream` of our `streams` to a peer on a freshly authenticated socket that we
+    """Resume connection `stream` of our `streams` to rank `peer` on a freshly authenticated socket that we
     dialled: (the last frame the peer received on it, its listener's port)."""
     sock.sendall(_RESUME.pack(received, listen_port, stream, streams))
     peer_received, peer_port, _, peer_streams = _read_resume(sock)
-    _agree(streams, peer_streams)
+    _agree(streams, peer, peer_streams)
     return peer_received, peer_port
 
 
-def resume_as_dialled(sock: socket.socket, streams: int, received_on: Callable[[int], int],
+def resume_as_dialled(sock: socket.socket, peer: int, streams: int, received_on: Callable[[int], int],
                       listen_port: int) -> tuple[int, int, int]:
-    """Resume a connection a peer dialled to us: (the last frame it received on it, its listener's port,
+    """Resume a connection rank `peer` dialled to us: (the last frame it received on it, its listener's port,
     which of the pair's connections it is); `received_on(stream)` is our last frame received on that one."""
     peer_received, peer_port, stream, peer_streams = _read_resume(sock)
     valid = stream < peer_streams == streams
     sock.sendall(_RESUME.pack(received_on(stream) if valid else 0, listen_port, stream, streams))
-    _agree(streams, peer_streams)
+    _agree(streams, peer, peer_streams)
     if not valid:
         raise ValueError(f"a peer resumed connection {stream} of {peer_streams}")
     return peer_received, peer_port, stream
@@ -57,9 +58,9 @@ def _read_resume(sock: socket.socket) -> tuple[int, int, int, int]:
     return _RESUME.unpack(reply)
 
 
-def _agree(ours: int, theirs: int) -> None:
+def _agree(ours: int, peer: int, theirs: int) -> None:
     if ours != theirs:
-        raise ValueError(f"this rank opens {ours} connection(s) to each other rank and its peer {theirs}: "
+        raise ValueError(f"this rank keeps {ours} connection(s) to each other rank and rank {peer} {theirs}: "
                          f"SHOAL_STREAMS must be the same on every rank")
 
 

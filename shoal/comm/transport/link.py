@@ -50,8 +50,8 @@ class LinkOwner(Protocol):
 
 class PeerLink(Delivery, Reading, Healing):
     """A connection to one peer; `dialer` when this rank dials it (the higher rank of the two). `stream`
-    numbers the pair's connections where it has several (config.SHOAL_STREAMS); the first carries all
-    but large frames, and only it offers shared memory."""
+    numbers the pair's connections where it has several (config.SHOAL_STREAMS); only the first carries
+    small frames and offers shared memory."""
 
     def __init__(self, owner: LinkOwner, rank: int, sock: socket.socket, *, dialer: bool,
                  peer_port: int, heal_timeout: float, stream: int = 0) -> None:

@@ -43,7 +43,7 @@ class Transport(Connecting):
                  heartbeat_timeout: timedelta | None = None, open_membership: bool = False, streams: int = 1) -> None:
         """With `open_membership`, ranks from `world_size` on may join later: they dial every member.
         `streams`: how many TCP connections each pair of ranks has (config.SHOAL_STREAMS); large frames
-        to a peer on another host go round them."""
+        to a peer that does not share memory with us go round them."""
         if not 1 <= streams <= config.MAX_STREAMS:
             raise ValueError(f"streams must be from 1 to {config.MAX_STREAMS}, not {streams}")
         self.rank, self.world_size, self._open, self._streams = rank, world_size, open_membership, streams
@@ -54,6 +54,7 @@ class Transport(Connecting):
         self._secret, self._session = secret, session
         self._lock = threading.Lock()
         self._links: dict[tuple[int, int], PeerLink] = {}
+        self._refused: dict[int, str] = {}
         self._links_changed = threading.Condition(self._lock)
         self._matcher = Matcher(rank, self.abort)
         self._handlers: dict[int, FrameHandler] = {}
@@ -247,18 +248,14 @@ class Transport(Connecting):
             links = list(self._links.values())
         self._stopping.set()
         self._matcher.close()
-        farewell = time.monotonic() + timeout.total_seconds()
-        # The goodbye on a pair's first connection goes once those on its others are in: a peer told we left
-        # then has every frame we sent it, whichever connection it took.
-        for last in (False, True):
-            done = SendTracker()
-            for link in links:
-                if (link.stream == 0) == last:
-                    link.finish(done)
-            try:
-                done.wait(farewell, f"rank {self.rank} closing")
-            except (TimeoutError, PeerFailure):
-                pass  # a peer that is already gone needs no goodbye
+        done = SendTracker()
+        for link in links:
+            if link.stream == 0:
+                self._farewell(link, done)
+        try:
+            done.wait(time.monotonic() + timeout.total_seconds(), f"rank {self.rank} closing")
+        except (TimeoutError, PeerFailure):
+            pass  # a peer that is already gone needs no goodbye
         for link in links:
             link.release_lane()
             link.shutdown(socket.SHUT_WR)  # our goodbye is ahead of the FIN; we read on until theirs
@@ -272,6 +269,25 @@ class Transport(Connecting):
         for link in links:
             link.shutdown(socket.SHUT_RD)  # a peer still busy: stop reading it, which wakes our reader
         self._join_threads(deadline)
+
+    def _farewell(self, first: PeerLink, done: SendTracker) -> None:
+        """Say goodbye to `first`'s peer; `done` settles when it has heard. Where the pair has other
+        connections, the goodbye on the first goes once theirs are acknowledged: a peer told we left then has
+        every frame we sent it, whichever connection it took. Each peer waits only for its own."""
+        others = self._streams_to(first.rank)[1:]
+        if not others:
+            first.finish(done)
+            return
+        done.add()  # held until the first connection's goodbye is queued
+
+        def then_first(_: BaseException | None) -> None:
+            first.finish(done)
+            done.settle(None)
+        side = SendTracker(then_first)
+        side.add()  # held until every goodbye is queued, so that none settling early sends the first's
+        for link in others:
+            link.finish(side)
+        side.settle(None)
 
     def _join_threads(self, deadline: float) -> None:
         """Wait for our threads to end, so none is left running when the interpreter exits. A

@@ -12,8 +12,12 @@ from collections.abc import Callable
 from shoal.comm.transport.frames import Recv
 
 PART_MIN = 256 << 10  # smaller parts cost more in per-frame work than another connection's rate brings
-_SHIFT = 24  # a part's index goes above the frame's own number, which stays below 2**24
+# A part's number: the frame's own (below 2**24), its index, and how many parts the frame has, so that a
+# receiver that cut a frame of another size otherwise takes none of its parts rather than a prefix of them.
+# It stays below 2**30, under the numbers placement.py exchanges its records by.
+_SHIFT, _COUNT_SHIFT = 24, 27
 _OWN = (1 << _SHIFT) - 1
+_INDEX = (1 << (_COUNT_SHIFT - _SHIFT)) - 1
 
 
 def cuts(nbytes: int, streams: int) -> list[int]:
@@ -23,31 +27,32 @@ def cuts(nbytes: int, streams: int) -> list[int]:
     return [nbytes * i // parts for i in range(parts + 1)]
 
 
-def part_sub(sub: int, part: int) -> int:
-    """The number part `part` of frame `sub` goes under (part 0, or a frame not striped, under the frame's own)."""
-    if part == 0:
+def part_sub(sub: int, part: int, parts: int) -> int:
+    """The number part `part` of the `parts` of frame `sub` goes under (a frame in one part, under its own)."""
+    if parts == 1:
         return sub
     if sub > _OWN:
         raise ValueError(f"frame number {sub} is too large to be striped")
-    return sub | part << _SHIFT
+    return sub | part << _SHIFT | (parts - 1) << _COUNT_SHIFT
 
 
 def spread(seq: int, sub: int) -> int:
     """Which of a pair's connections frame `sub` of operation `seq` goes on, modulo their number: an
     operation's frames, and a frame's parts, take them in turn."""
-    return seq + (sub & _OWN) + (sub >> _SHIFT)
+    return seq + (sub & _OWN) + (sub >> _SHIFT & _INDEX)
 
 
 def gather(whole: Recv, parts: int) -> Callable[[Recv], None]:
     """The `on_done` of each of the `parts` receives of frame `whole`: the last to land, or the first to fail,
     finishes it (and so runs its `process`, on that part's reader thread)."""
-    left = [parts]
+    left = parts
     lock = threading.Lock()
 
     def part_done(part: Recv) -> None:
+        nonlocal left
         with lock:
-            left[0] -= 1
-            last = left[0] == 0
+            left -= 1
+            last = left == 0
         if part.error is not None or last:
             whole.finish(part.error)
     return part_done
