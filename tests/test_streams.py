@@ -25,7 +25,7 @@ def _frames_per_stream(peer: int) -> list[int]:
     return [links[peer, s]._next_number - 1 for s in range(3)]
 
 
-def _collectives_over_streams(rank: int, world: int) -> dict:
+def _collectives_over_streams(rank: int, world: int) -> list[int] | None:
     numel = 3_000_001  # many 2 MiB chunks per ring step
     t = torch.arange(numel, dtype=torch.float64) * (rank + 1)
     dist.all_reduce(t)
@@ -112,8 +112,9 @@ def _disagree_and_say(rank: int, world: int, port: int) -> str:
 
 def test_ranks_that_disagree_on_the_number_of_streams_are_told_so() -> None:
     said = run_ranks(_disagree_and_say, 2, backend=None, env={"SHOAL_SHM": "0"}, timeout=60)
-    assert "keeps 2 connection(s) to each other rank and rank 0 1: SHOAL_STREAMS must be" in said[1]
-    assert "rank 1's was refused: this rank keeps 1 connection(s) to each other rank and rank 1 2" in said[0]
+    assert "keeps 2 connection(s) to each other rank, and rank 0 keeps 1: SHOAL_STREAMS must be" in said[1]
+    assert ("rank 1's connection was refused: this rank keeps 1 connection(s) to each other rank, and rank 1 "
+            "keeps 2" in said[0])
 
 
 def test_a_frame_is_cut_alike_from_its_size_and_its_parts_are_numbered_apart() -> None:

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from shoal.backoff import attempts
 from shoal.comm.transport import auth
-from shoal.comm.transport.healing import process_gone, resume_as_dialled, resume_as_dialler
+from shoal.comm.transport.healing import StreamsDisagree, process_gone, resume_as_dialled, resume_as_dialler
 from shoal.comm.transport.link import PeerLink
 from shoal.comm.transport.matching import Matcher
 from shoal.errors import PeerFailure
@@ -44,7 +44,7 @@ class Connecting:
     _lock: threading.Lock
     _links: dict[tuple[int, int], PeerLink]  # (peer, stream) -> its connection
     _streams: int
-    _refused: dict[int, str]  # why a peer's connection was refused after it authenticated, for connect_mesh
+    _refused: dict[int, str]  # peers refused for keeping another number of connections, and why
     _links_changed: threading.Condition
     _matcher: Matcher
     _listener: socket.socket
@@ -62,11 +62,16 @@ class Connecting:
         with self._lock:
             missing = lambda: sorted({r for r in range(self.rank + 1, self.world_size)  # noqa: E731
                                       for s in range(self._streams) if (r, s) not in self._links})
-            if not self._links_changed.wait_for(lambda: not missing(),
-                                                timeout=max(0.0, deadline - time.monotonic())):
-                refused = "".join(f"; rank {r}'s was refused: {self._refused[r]}"
-                                  for r in missing() if r in self._refused)
-                raise TimeoutError(f"rank {self.rank}: ranks {missing()} did not connect within "
+            # Done once every rank is in, or every one still missing was refused (it will not try again).
+            self._links_changed.wait_for(lambda: all(r in self._refused for r in missing()),
+                                         timeout=max(0.0, deadline - time.monotonic()))
+            late = missing()
+            if late:
+                refused = "".join(f"; rank {r}'s connection was refused: {self._refused[r]}"
+                                  for r in late if r in self._refused)
+                if all(r in self._refused for r in late):
+                    raise ValueError(f"rank {self.rank}: ranks {late} could not connect{refused}")
+                raise TimeoutError(f"rank {self.rank}: ranks {late} did not connect within "
                                    f"{timeout.total_seconds():g}s{refused}")
 
     def dial_member(self, peer: int, address: tuple[str, int], timeout: timedelta) -> None:
@@ -126,7 +131,6 @@ class Connecting:
             self._start(self._admit, conn, name="shoal-handshake")
 
     def _admit(self, conn: socket.socket) -> None:
-        peer = None
         try:
             conn.settimeout(_HANDSHAKE_TIMEOUT_S)
             peer = auth.server_handshake(conn, self._secret, self._session, my_rank=self.rank,
@@ -148,9 +152,11 @@ class Connecting:
             conn.close()  # a peer checking that we are alive, or one that gave up
         except (OSError, struct.error, ValueError) as exc:
             log.warning("rank %d rejected a connection: %s", self.rank, exc)
-            if isinstance(exc, ValueError) and peer is not None:
-                self._refused[peer] = str(exc)
             conn.close()
+            if isinstance(exc, StreamsDisagree):  # raised once the peer is known
+                with self._lock:
+                    self._refused[peer] = str(exc)
+                    self._links_changed.notify_all()
 
     def _check_newcomer(self, peer: int) -> None:
         if peer < self.rank and not self._open:  # with open membership, a joiner dials every member

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 _RESUME = struct.Struct("<QHBB")
 
 
+class StreamsDisagree(ValueError):
+    """The two ends of a new connection keep different numbers of connections per pair: it cannot resume."""
+
+
 def resume_as_dialler(sock: socket.socket, peer: int, stream: int, streams: int, received: int,
                       listen_port: int) -> tuple[int, int]:
     """Resume connection `stream` of our `streams` to rank `peer` on a freshly authenticated socket that we
@@ -48,7 +52,7 @@ def resume_as_dialled(sock: socket.socket, peer: int, streams: int, received_on:
     sock.sendall(_RESUME.pack(received_on(stream) if valid else 0, listen_port, stream, streams))
     _agree(streams, peer, peer_streams)
     if not valid:
-        raise ValueError(f"a peer resumed connection {stream} of {peer_streams}")
+        raise StreamsDisagree(f"rank {peer} resumed connection {stream} of {peer_streams}")
     return peer_received, peer_port, stream
 
 
@@ -60,8 +64,8 @@ def _read_resume(sock: socket.socket) -> tuple[int, int, int, int]:
 
 def _agree(ours: int, peer: int, theirs: int) -> None:
     if ours != theirs:
-        raise ValueError(f"this rank keeps {ours} connection(s) to each other rank and rank {peer} {theirs}: "
-                         f"SHOAL_STREAMS must be the same on every rank")
+        raise StreamsDisagree(f"this rank keeps {ours} connection(s) to each other rank, and rank {peer} keeps "
+                              f"{theirs}: SHOAL_STREAMS must be the same on every rank")
 
 
 class Healing:

@@ -249,9 +249,8 @@ class Transport(Connecting):
         self._stopping.set()
         self._matcher.close()
         done = SendTracker()
-        for link in links:
-            if link.stream == 0:
-                self._farewell(link, done)
+        for peer in {link.rank for link in links}:
+            self._farewell(peer, done)
         try:
             done.wait(time.monotonic() + timeout.total_seconds(), f"rank {self.rank} closing")
         except (TimeoutError, PeerFailure):
@@ -270,13 +269,15 @@ class Transport(Connecting):
             link.shutdown(socket.SHUT_RD)  # a peer still busy: stop reading it, which wakes our reader
         self._join_threads(deadline)
 
-    def _farewell(self, first: PeerLink, done: SendTracker) -> None:
-        """Say goodbye to `first`'s peer; `done` settles when it has heard. Where the pair has other
-        connections, the goodbye on the first goes once theirs are acknowledged: a peer told we left then has
+    def _farewell(self, peer: int, done: SendTracker) -> None:
+        """Say goodbye to `peer` on each of our connections to it; `done` settles when it has heard. The
+        goodbye on the first goes once those on the others are acknowledged: a peer told we left then has
         every frame we sent it, whichever connection it took. Each peer waits only for its own."""
-        others = self._streams_to(first.rank)[1:]
-        if not others:
-            first.finish(done)
+        links = self._streams_to(peer)
+        first, others = links[0], links[1:]
+        if first.stream != 0 or not others:  # no first connection yet (closed while connecting), or only it
+            for link in links:
+                link.finish(done)
             return
         done.add()  # held until the first connection's goodbye is queued
 

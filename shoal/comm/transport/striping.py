@@ -13,7 +13,7 @@ from shoal.comm.transport.frames import Recv
 
 PART_MIN = 256 << 10  # smaller parts cost more in per-frame work than another connection's rate brings
 # A part's number: the frame's own (below 2**24), its index, and how many parts the frame has, so that a
-# receiver that cut a frame of another size otherwise takes none of its parts rather than a prefix of them.
+# receiver that cut a frame of another size into other parts takes none of them, not a prefix of the frame.
 # It stays below 2**30, under the numbers placement.py exchanges its records by.
 _SHIFT, _COUNT_SHIFT = 24, 27
 _OWN = (1 << _SHIFT) - 1
