@@ -53,8 +53,8 @@ class _OpChannel:
 
     def recv(self, src: int, sub: int, view: memoryview, process: Callable[[], None] | None = None) -> Recv:
         peer = self._group.ranks[src]
-        cuts = striping.cuts(len(view), self._streams)
-        if len(cuts) == 2:
+        cuts = striping.cuts(len(view), self._streams) if self._streams > 1 else None
+        if cuts is None or len(cuts) == 2:
             return self._transport.post_recv(self.op, peer, sub, view, process=process)
         whole = Recv(self.op, peer, sub, view, process, None)
         part_done = striping.gather(whole, len(cuts) - 1)
@@ -68,6 +68,9 @@ class _OpChannel:
 
     def send(self, dst: int, sub: int, view: memoryview) -> None:
         peer = self._group.ranks[dst]
+        if self._streams == 1:
+            self._transport.send(self.op, peer, sub, view, self._tracker)
+            return
         cuts = striping.cuts(len(view), self._streams)
         for part, (start, stop) in enumerate(itertools.pairwise(cuts)):
             self._transport.send(self.op, peer, striping.part_sub(sub, part, len(cuts) - 1), view[start:stop],
