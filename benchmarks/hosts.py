@@ -3,6 +3,7 @@
     shoal bench hosts                      # 2 hosts x 1 and x 2 ranks; links of 1 gbit, 10 gbit, unlimited
     shoal bench hosts --quick              # 4 MiB and 64 MiB, all-reduce only, fewer repetitions
     shoal bench hosts --markdown docs/x.md # also a markdown table
+    shoal bench hosts --collectives broadcast --sizes 64KiB 256KiB --links unlimited --ranks-per-host 1
     shoal bench hosts --links 1gbit --per-flow 250mbit --streams 1 4  # a cloud's cap on each TCP connection
 
 The hosts are network namespaces joined by a veth pair (tests/hosts.py), the link's rate a tbf qdisc
@@ -33,7 +34,8 @@ from benchmarks._steps import slowest_call
 from tests.hosts import TwoHosts, namespaces_missing
 from tests.processes import reaped
 
-SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
+SIZES = {"64KiB": 64 << 10, "256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
+DEFAULT_SIZES = ["256KiB", "4MiB", "64MiB"]
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 # Bits per second (tc's gbit is 10^9).
 RATES = {"10mbit": 1e7, "100mbit": 1e8, "1gbit": 1e9, "10gbit": 10e9, "unlimited": None}
@@ -167,9 +169,13 @@ def _rows(per_host: int, rate_label: str, streams: int, result: dict) -> list[li
         share = "-" if limit is None else f"{limit / row['shoal']:.0%}"
         gloo_share = "-" if limit is None else f"{limit / row['gloo']:.0%}"
         table.append([f"2 x {per_host}", rate_label, str(streams), row["collective"], row["size"],
-                      f"{row['shoal'] * 1e3:.1f}",
-                      f"{row['gloo'] * 1e3:.1f}", f"{row['gloo'] / row['shoal']:.2f}x", share, gloo_share])
+                      _ms(row["shoal"]), _ms(row["gloo"]), f"{row['gloo'] / row['shoal']:.2f}x", share, gloo_share])
     return table
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds to a tenth, or to a hundredth under one (the small sizes' differences)."""
+    return f"{seconds * 1e3:.2f}" if seconds < 1e-3 else f"{seconds * 1e3:.1f}"
 
 
 HEADER = ["hosts x ranks", "link", "shoal streams", "collective", "size", "shoal ms", "gloo ms", "shoal speed-up",
@@ -184,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-flow", type=_bits, help="cap each TCP connection across the link at this rate "
                         "(e.g. 250mbit), under the link's")
     parser.add_argument("--streams", type=int, nargs="+", default=[1], help="SHOAL_STREAMS values to run shoal with")
+    parser.add_argument("--collectives", nargs="+", choices=list(COLLECTIVES), help="all four unless --quick")
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), help=f"{' '.join(DEFAULT_SIZES)} unless --quick")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -195,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     if missing is not None:
         print(f"shoal bench hosts: {missing}")
         return
-    collectives = ["all_reduce"] if args.quick else list(COLLECTIVES)
-    sizes = ["4MiB", "64MiB"] if args.quick else list(SIZES)
+    collectives = args.collectives or (["all_reduce"] if args.quick else list(COLLECTIVES))
+    sizes = args.sizes or (["4MiB", "64MiB"] if args.quick else DEFAULT_SIZES)
     repeats = 3 if args.quick else 7
     table = []
     hosts = TwoHosts.build()
