@@ -1,16 +1,19 @@
 """A link acknowledges every frame its peer asked to have acknowledged at once, whichever writer holds the
 link when the frame arrives and across a healed connection: the sender's operation waits for that
-acknowledgement, so one left lying costs it until our next write, up to about two heartbeat intervals. And a
-frame sent once the goodbye is queued is refused at once, not left waiting for a send thread that has ended."""
+acknowledgement (for a large frame), so one left lying costs it until our next write, up to about two heartbeat
+intervals. A small frame is copied, and its sender goes on once the kernel has it; a replay sends the copy. And
+a frame sent once the goodbye is queued is refused at once, not left waiting for a send thread that has ended."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from shoal.comm.transport.delivery import COPY_BYTES
 from shoal.comm.transport.frame_header import ACK_NOW, SIZE, FrameHeader, Kind
 from shoal.comm.transport.frames import SendTracker
 from shoal.comm.transport.link import PeerLink
@@ -91,6 +94,65 @@ class _Redialled:
 
     def redial(self, link, address, deadline):
         return self._new, 0
+
+
+def _frames(peer: socket.socket, count: int) -> list[tuple[FrameHeader, bytes]]:
+    """The next `count` frames the link writes to `peer`, payloads and all."""
+    def exactly(n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = peer.recv(n - len(data))
+            assert chunk, "the link closed the connection"
+            data += chunk
+        return bytes(data)
+
+    peer.settimeout(5)
+    frames = []
+    for _ in range(count):
+        header = FrameHeader.unpack(exactly(SIZE))
+        frames.append((header, exactly(header.nbytes)))
+    return frames
+
+
+def test_a_small_frame_is_done_once_written_and_its_replay_sends_what_it_held_then() -> None:
+    old, old_theirs = _connected()
+    new, new_theirs = _connected()
+    link = PeerLink(owner=_Redialled(new), rank=1, sock=old, dialer=True, peer_port=0, heal_timeout=1.0)
+    try:
+        buffer = bytearray(b"sent")
+        done = SendTracker()
+        link.send(FrameHeader(Kind.DATA, len(buffer), flags=ACK_NOW), memoryview(buffer), done)
+        done.wait(time.monotonic() + 2, "a small frame, not acknowledged")  # written, never acknowledged
+        buffer[:] = b"next"  # the caller reuses its buffer, as it may
+        assert _frames(old_theirs, 1)[0][1] == b"sent"
+        link._heal(old, ConnectionResetError("reset by a test"))  # the frame is lost with the connection
+        link._outbox.put(None)
+        link._send_loop()  # the replay, on this thread
+        header, payload = _frames(new_theirs, 1)[0]
+        assert (header.kind, header.number, payload) == (Kind.DATA, 1, b"sent")
+    finally:
+        for sock in (old, old_theirs, new, new_theirs):
+            sock.close()
+
+
+def test_a_large_frame_is_done_when_acknowledged_and_settles_once(link_and_peer) -> None:
+    link, peer = link_and_peer
+    buffer = memoryview(bytearray(COPY_BYTES + 1))  # kept without a copy: not the caller's until the peer has it
+    finished = []
+    done = SendTracker(on_done=finished.append)
+    link.send(FrameHeader(Kind.DATA, len(buffer), flags=ACK_NOW), buffer, done)
+    link._outbox.put(None)
+    writer = threading.Thread(target=link._send_loop)
+    writer.start()
+    assert len(_frames(peer, 1)[0][1]) == len(buffer)
+    writer.join(timeout=5)
+    with pytest.raises(TimeoutError):
+        done.wait(time.monotonic() + 0.2, "a large frame, not acknowledged")
+    link._acknowledged(1)
+    link._acknowledged(1)
+    link.fail(PeerFailure(1, "gone after acknowledging"))
+    done.wait(time.monotonic() + 2, "a large frame, acknowledged")
+    assert finished == [None]
 
 
 def test_a_healed_link_acknowledges_again_what_it_acknowledged_on_the_connection_that_dropped() -> None:

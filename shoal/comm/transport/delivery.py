@@ -3,8 +3,9 @@ peer acknowledges them, and the acknowledgements and heartbeats that keep the pe
 
 Frames go out through a send thread fed by an outbox (small ones may be written by the calling thread
 instead). Every frame but acknowledgements and heartbeats carries a number; the peer's reader acknowledges
-each one as soon as it is in, and until then the frame (and the buffer it points into: nothing is copied)
-waits in the window, to be replayed if the connection drops (healing.py).
+each one as soon as it is in, and until then the frame waits in the window, to be replayed if the connection
+drops (healing.py). A large frame points into its sender's buffer, which is then not free until the
+acknowledgement; a small one is copied, and its sender goes on once the kernel has it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 # Frames up to this size are written by the calling thread when nothing is queued for the peer:
 # a thread hand-off costs more than the copy. Reader threads never write inline (see `send`).
 INLINE_BYTES = 64 << 10
+# Data frames up to this size are copied into the window, and their sends end once the kernel has them, as
+# gloo's do, rather than a round trip later when the peer acknowledges them: the copy is what a replay
+# sends, so the caller may reuse its buffer at once. Larger frames are kept without a copy.
+COPY_BYTES = 256 << 10
 on_reader_thread = threading.local()
 
 
@@ -69,8 +74,9 @@ class Delivery:
 
     def send(self, header: FrameHeader, payload: memoryview, tracker: SendTracker | None, *,
              eager: bool = False) -> None:
-        """Send one frame without waiting; `tracker` settles when the peer has it, so `payload` may be
-        reused (or with the error that ended the link).
+        """Send one frame without waiting; `tracker` settles when `payload` may be reused: when the peer
+        has the frame, or for a data frame up to COPY_BYTES, once the kernel has it (or with the error
+        that ended the link).
 
         Small frames (any frame with `eager`) are written by the calling thread when nothing is queued
         before them, so order is kept; a reader thread never writes inline: one blocked in a write could
@@ -82,12 +88,13 @@ class Delivery:
             try:
                 with self._state:
                     idle = self._queued == 0 and not self._finished  # after the goodbye, refused below
-                if idle:
-                    self._write(header, payload, tracker)
-                    return
+                written = self._write(header, payload, tracker) if idle else None
             finally:
                 self._write_lock.release()
                 self._flush_ack()
+            if idle:
+                self._settle_early(written)
+                return
         self._enqueue(header, payload, tracker)
 
     def _enqueue(self, header: FrameHeader | None, payload: memoryview, tracker: SendTracker | None, *,
@@ -118,22 +125,30 @@ class Delivery:
             if item is None:
                 return
             header, payload, tracker = item
+            written = None
             with self._write_lock:
                 if header is not None:
-                    self._write(header, payload, tracker)
+                    written = self._write(header, payload, tracker)
                 else:
                     self._write_due()
+            self._settle_early(written)
             with self._state:
                 self._queued -= 1
             self._flush_ack()
 
-    def _write(self, header: FrameHeader, payload: memoryview, tracker: SendTracker | None) -> None:
+    def _write(self, header: FrameHeader, payload: memoryview, tracker: SendTracker | None) -> Frame | None:
         """Number a frame, keep it in the window and write it (a large one through the shared-memory lane
-        when a slot is free). The caller holds the write lock, which makes it the lane's only writer."""
+        when a slot is free). The caller holds the write lock, which makes it the lane's only writer.
+
+        Returns the frame when the kernel has it and the window holds its bytes: the caller settles its
+        tracker (`_settle_early`) once it has let the lock go, as the tracker's callbacks may send."""
+        owned = False  # whether the window holds the bytes themselves (a copy, or a shared-memory slot)
         if header.kind == Kind.DATA and len(payload) > INLINE_BYTES and self._lane_out is not None:
             slot = self._lane_out.put(payload)
             if slot is not None:
-                header, payload = header._replace(slot=slot), memoryview(b"")
+                header, payload, owned = header._replace(slot=slot), memoryview(b""), True
+        if header.kind == Kind.DATA and not owned and len(payload) <= COPY_BYTES:
+            payload, owned = memoryview(bytes(payload)), True
         with self._state:
             error = self._gone
             if error is None:
@@ -141,15 +156,26 @@ class Delivery:
                 self._next_number += 1
                 self._window.append(frame)
                 if self._broken:
-                    return  # replayed once a new connection is in
+                    return None  # replayed once a new connection is in
                 replay, self._replay_due = self._replay_due, False
                 sock = self._sock
                 frames = list(self._window) if replay else [frame]
         if error is not None:
             if tracker is not None:
                 tracker.settle(error)
+            return None
+        written = self._transmit_all(frames, sock)
+        return frame if written and owned and tracker is not None else None
+
+    def _settle_early(self, frame: Frame | None) -> None:
+        """Tell a frame's sender it may go on before the peer acknowledges it: the kernel has the frame and
+        the window its bytes. Settled once: the acknowledgement, or the link's end, may have come first."""
+        if frame is None:
             return
-        self._transmit_all(frames, sock)
+        with self._state:
+            tracker, frame.tracker = frame.tracker, None
+        if tracker is not None:
+            tracker.settle(None)
 
     def _write_due(self) -> None:
         """Replay the window onto a new connection, or write an acknowledgement that is due (on a new
@@ -172,10 +198,9 @@ class Delivery:
         elif self.received > self._acked_out or reacknowledge:
             self._transmit(Frame(FrameHeader(Kind.ACK), 0, memoryview(b""), None), sock)
 
-    def _transmit_all(self, frames: list[Frame], sock: socket.socket) -> None:
-        for frame in frames:
-            if not self._transmit(frame, sock):
-                return  # the rest waits in the window for the next connection
+    def _transmit_all(self, frames: list[Frame], sock: socket.socket) -> bool:
+        """Write `frames` in order; False when one failed (the rest waits in the window for the next connection)."""
+        return all(self._transmit(frame, sock) for frame in frames)
 
     def _transmit(self, frame: Frame, sock: socket.socket, flags: int = 0) -> bool:
         """Write one frame, with our latest acknowledgement, on `sock` (the connection current when it was
@@ -247,7 +272,9 @@ class Delivery:
         settled = []
         with self._state:
             while self._window and self._window[0].number <= number:
-                settled.append(self._window.popleft())
-        for frame in settled:
-            if frame.tracker is not None:
-                frame.tracker.settle(None)
+                frame = self._window.popleft()
+                if frame.tracker is not None:
+                    settled.append(frame.tracker)
+                    frame.tracker = None
+        for tracker in settled:
+            tracker.settle(None)

@@ -117,15 +117,16 @@ class PeerLink(Delivery, Reading, Healing):
         """The link is over (the peer is lost or left): settle every frame it still holds with `error`."""
         with self._state:
             self._gone = error
-            frames = list(self._window)
+            trackers = [frame.tracker for frame in self._window if frame.tracker is not None]
+            for frame in self._window:
+                frame.tracker = None
             self._window.clear()
             self._state_changed.notify_all()
             replacement, self._replacement = self._replacement, None
         if replacement is not None:
             replacement[0].close()
-        for frame in frames:
-            if frame.tracker is not None:
-                frame.tracker.settle(error)
+        for tracker in trackers:
+            tracker.settle(error)
 
     def _close_sockets(self) -> None:
         """Close every connection the link had: shut down first, which wakes a writer blocked on one (closing
