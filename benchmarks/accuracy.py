@@ -31,6 +31,10 @@ LR = 2e-3
 METHODS = ("torch DDP fp32", "torch DDP fp16", "torch PowerSGD", "shoal DDP fp32", "shoal DDP bf16",
            "shoal PowerSGD", "shoal DiLoCo")
 POWERSGD = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 12}  # compressing after the first epoch
+# What the link may send above its rate after a quiet while: 64 KB (one segment the kernel hands it at once).
+# The evaluations leave the link idle every EVAL_EVERY steps; a bucket as deep as `shoal bench hosts`'s 1 MB
+# would refill in them and carry a whole interval's gradients (6 x 153 KB) at once, above the rate.
+BURST = "64kb"
 
 
 def _model_and_optimizer(method: str, net):
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     hosts = TwoHosts.build()
     try:
         for link in args.links:
-            shape_link(hosts, RATES[link])
+            shape_link(hosts, RATES[link], burst=BURST)
             results = {method: run_across(hosts, 2, __file__, [method, str(args.epochs)]) for method in args.methods}
             base = (results.get("shoal DDP fp32") or {}).get("reached")
             for method, r in results.items():

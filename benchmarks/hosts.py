@@ -86,15 +86,16 @@ def _worker(rank: int, world: int, address: str, collectives: list[str], sizes: 
         Path(out).write_text(json.dumps({"rows": rows, "hosts": hosts}))
 
 
-def shape_link(hosts: TwoHosts, rate: float | None, per_flow: float | None = None) -> None:
+def shape_link(hosts: TwoHosts, rate: float | None, per_flow: float | None = None, burst: str = "1mb") -> None:
     """Give both ends of the cable `rate` bits per second, or take any limit away; with `per_flow`, each TCP
-    connection across it that many at most."""
+    connection across it that many at most. `burst` is what the link may send at once above its rate, after
+    a quiet while."""
     for host, (ns, dev) in enumerate(zip(hosts.namespaces, hosts.devices, strict=True)):
         subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=10)
         if per_flow is not None:
             _shape_flows(ns, dev, rate or _UNLIMITED, per_flow, "dport" if host == 0 else "sport")
         elif rate is not None:
-            _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit", "burst", "1mb",
+            _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit", "burst", burst,
                 "latency", "50ms")
 
 
