@@ -135,24 +135,69 @@ def test_a_small_frame_is_done_once_written_and_its_replay_sends_what_it_held_th
             sock.close()
 
 
-def test_a_large_frame_is_done_when_acknowledged_and_settles_once(link_and_peer) -> None:
-    link, peer = link_and_peer
-    buffer = memoryview(bytearray(COPY_BYTES + 1))  # kept without a copy: not the caller's until the peer has it
-    finished = []
-    done = SendTracker(on_done=finished.append)
-    link.send(FrameHeader(Kind.DATA, len(buffer), flags=ACK_NOW), buffer, done)
+class _Counted(SendTracker):
+    """A tracker that counts how often it is settled: a frame's tracker must be settled exactly once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settled: list[BaseException | None] = []
+
+    def settle(self, error: BaseException | None) -> None:
+        self.settled.append(error)
+        super().settle(error)
+
+
+def _send_through_thread(link: PeerLink, peer: socket.socket, payload: memoryview, tracker: SendTracker) -> None:
+    """Send one frame through the link's send thread (run here until it is written), the peer reading it."""
+    link.send(FrameHeader(Kind.DATA, len(payload), flags=ACK_NOW), payload, tracker)
     link._outbox.put(None)
     writer = threading.Thread(target=link._send_loop)
     writer.start()
-    assert len(_frames(peer, 1)[0][1]) == len(buffer)
+    assert len(_frames(peer, 1)[0][1]) == len(payload)
     writer.join(timeout=5)
+    assert not writer.is_alive()
+
+
+def test_a_frame_over_the_copy_limit_is_done_only_when_acknowledged(link_and_peer) -> None:
+    link, peer = link_and_peer
+    done = _Counted()
+    _send_through_thread(link, peer, memoryview(bytearray(COPY_BYTES + 1)), done)  # the caller's own memory
     with pytest.raises(TimeoutError):
         done.wait(time.monotonic() + 0.2, "a large frame, not acknowledged")
     link._acknowledged(1)
     link._acknowledged(1)
     link.fail(PeerFailure(1, "gone after acknowledging"))
-    done.wait(time.monotonic() + 2, "a large frame, acknowledged")
-    assert finished == [None]
+    assert done.settled == [None]
+
+
+def test_a_frame_the_send_thread_writes_is_done_once_written(link_and_peer) -> None:
+    link, peer = link_and_peer
+    done = _Counted()
+    _send_through_thread(link, peer, memoryview(bytearray(COPY_BYTES)), done)  # larger than written inline
+    assert done.settled == [None]
+    link._acknowledged(1)
+    assert done.settled == [None]
+
+
+@pytest.mark.parametrize("first", ["acknowledged", "link lost"])
+def test_a_small_frame_settles_once_when_the_acknowledgement_or_the_end_comes_before_its_write_returns(
+        link_and_peer, first: str) -> None:
+    link, _ = link_and_peer
+    write = link._transmit
+    error = PeerFailure(1, "lost by a test")
+
+    def then_settled(frame, sock, flags=0):
+        written = write(frame, sock, flags)
+        if first == "acknowledged":  # as the reader would, meanwhile
+            link._acknowledged(1)
+        else:
+            link.fail(error)
+        return written
+
+    link._transmit = then_settled
+    done = _Counted()
+    link.send(FrameHeader(Kind.DATA, 1, flags=ACK_NOW), memoryview(b"x"), done)
+    assert done.settled == [None if first == "acknowledged" else error]
 
 
 def test_a_healed_link_acknowledges_again_what_it_acknowledged_on_the_connection_that_dropped() -> None:

@@ -88,7 +88,8 @@ class Work:
 
     def add_done_callback(self, callback: Callable[[BaseException | None], None]) -> None:
         """Call `callback(error)` once the operation is done (at once, here, if it is), on the thread that
-        finishes it: the group's queue, or the transport's for a send or receive. So it must be short and
+        finishes it: the group's queue, or for a send or receive the transport's (a connection's reader or
+        send thread) or the sending thread itself (a small send written at once). So it must be short and
         must not wait for another operation; what it raises is logged, and does not reach the group."""
         with self._claim:
             if not self._event.is_set():

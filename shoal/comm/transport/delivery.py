@@ -11,6 +11,7 @@ acknowledgement; a small one is copied, and its sender goes on once the kernel h
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import socket
 import threading
@@ -25,12 +26,15 @@ from shoal.errors import PeerFailure
 if TYPE_CHECKING:
     from shoal.comm.transport.link import LinkOwner
 
+log = logging.getLogger(__name__)
+
 # Frames up to this size are written by the calling thread when nothing is queued for the peer:
 # a thread hand-off costs more than the copy. Reader threads never write inline (see `send`).
 INLINE_BYTES = 64 << 10
-# Data frames up to this size are copied into the window, and their sends end once the kernel has them, as
-# gloo's do, rather than a round trip later when the peer acknowledges them: the copy is what a replay
-# sends, so the caller may reuse its buffer at once. Larger frames are kept without a copy.
+# Data frames up to this size that a sender waits on are copied into the window, and their sends end once the
+# kernel has them, as gloo's do, rather than a round trip later when the peer acknowledges them: the copy is
+# what a replay sends, so the caller may reuse its buffer at once. Larger frames are kept without a copy
+# (a frame in a shared-memory slot is a copy already, and ends once written too).
 COPY_BYTES = 256 << 10
 on_reader_thread = threading.local()
 
@@ -147,7 +151,7 @@ class Delivery:
             slot = self._lane_out.put(payload)
             if slot is not None:
                 header, payload, owned = header._replace(slot=slot), memoryview(b""), True
-        if header.kind == Kind.DATA and not owned and len(payload) <= COPY_BYTES:
+        if header.kind == Kind.DATA and tracker is not None and not owned and len(payload) <= COPY_BYTES:
             payload, owned = memoryview(bytes(payload)), True
         with self._state:
             error = self._gone
@@ -175,7 +179,10 @@ class Delivery:
         with self._state:
             tracker, frame.tracker = frame.tracker, None
         if tracker is not None:
-            tracker.settle(None)
+            try:
+                tracker.settle(None)
+            except Exception:  # a callback's fault must not end the send thread, stranding the peer's queue
+                log.exception("settling a send to rank %d failed", self.rank)
 
     def _write_due(self) -> None:
         """Replay the window onto a new connection, or write an acknowledgement that is due (on a new

@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 RPC_GROUP = 0xFFFF_FF00
 
 # Tensors of at most this many bytes in all travel copied inside their message's one frame. The
-# copy costs microseconds; a frame per tensor costs a write and a read each, and the sender of
-# tensors sent from their own memory must wait until the peer has them (a round trip).
+# copy costs microseconds; a frame per tensor costs a write and a read each, and the sender of a
+# tensor over the transport's COPY_BYTES, sent from its own memory, must wait until the peer has it
+# (a round trip).
 INLINE_BYTES = 256 * 1024
 _INLINE = 1 << 31  # in a frame tag: the body carries its tensors
 _ALIGN = 16  # where each carried tensor starts in the frame: any dtype may view it
@@ -113,9 +114,10 @@ class Wire:
             send(dst, RPC_GROUP, tag, msg_id, sub, as_bytes(tensor), tracker, acknowledge=False)
         send(dst, RPC_GROUP, tag, msg_id, 0, body, tracker, acknowledge=bool(tensors))
         if tensors:
-            # Tensor frames are sent from the tensors' own memory: return only once the peer has them,
-            # so that a caller (or a callee whose result is a live parameter) may change them in place
-            # at once (and a replay after a dropped connection still sends what was sent).
+            # Return only once the tensors may change: a caller (or a callee whose result is a live
+            # parameter) may change them in place at once, and a replay after a dropped connection must
+            # still send what was sent. The transport copies a frame up to its COPY_BYTES and settles it
+            # once written; a larger one is sent from the tensor's own memory until the peer has it.
             tracker.wait(time.monotonic() + self._stall_timeout.total_seconds(), f"RPC message {msg_id}")
 
     def forget(self, rank: int) -> None:
