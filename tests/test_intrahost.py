@@ -192,6 +192,13 @@ def test_hierarchical_collectives_over_three_hosts_are_right_when_sends_go_out_l
     run_ranks(_late_on_three_hosts, 6, ROUNDS_NUMEL, backend=None, timeout=180)
 
 
+def test_a_waiting_member_polls_only_where_every_member_has_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Polling a counter takes a core: with more members than cores it would delay the member awaited."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert arena.poll_seconds(2) > 0
+    assert arena.poll_seconds(3) == 0
+
+
 def test_a_region_of_another_named_host_is_not_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHOAL_HOST_ID", "here")
     own = Region.create(4096, "test")
