@@ -6,10 +6,11 @@ wait for everyone's), read the others' inputs, write our results, settle (publis
 those who need everyone's results wait until all have settled and read them. Posting and settling are
 32-bit counters in the region's header that only its owner writes; a member waiting for another sleeps
 on the counter (futex.py), so waiting costs no CPU. Where every member of the arena has a core of its own,
-a waiting member first polls the counter for a few microseconds: a peer a moment behind is then seen
+a waiting member first polls the counter for up to 30 microseconds: a peer a moment behind is then seen
 without the kernel's wake-up, which costs tens of microseconds a round (more on a virtual machine, whose
 sleeping CPU must be woken). Where members share cores, polling would take the core the awaited member
-needs, so they sleep at once.
+needs, so they sleep at once. Only the arena's members are counted, against this process's CPU affinity:
+other groups' ranks and other processes on the host are not seen.
 
 Inputs and results live apart in a region, because they are safe to overwrite at different times:
 inputs once everyone has settled the previous round (they read inputs before settling), results
