@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 
+from shoal.comm.transport import striping
 from shoal.comm.transport.frames import Op, Recv
 from shoal.comm.transport.matching import Matcher
 from shoal.errors import CollectiveMismatchError, GroupBrokenError, PeerFailure
@@ -18,9 +19,10 @@ def _op(seq: int = 1, sig: tuple = SIG) -> Op:
     return Op(0, -1, seq, sig, (0, 1), timedelta(seconds=10), "test op", lambda s: f"op{s}")  # a collective
 
 
-def _matcher() -> tuple[Matcher, list]:
+def _matcher(*, striped: bool = False) -> tuple[Matcher, list]:
     aborted: list = []
-    matcher = Matcher(0, lambda op, error: (aborted.append(error), matcher.fail_op(op.ident, error, op.ranks[0])))
+    matcher = Matcher(0, lambda op, error: (aborted.append(error), matcher.fail_op(op.ident, error, op.ranks[0])),
+                      striped=striped)
     return matcher, aborted
 
 
@@ -104,6 +106,36 @@ def test_a_frame_of_another_size_is_named_as_such() -> None:
     recv, _ = _post(matcher, op, nbytes=8)
     _deliver(matcher, op, bytes(16))
     assert "a frame of a different size" in str(recv.error)
+
+
+@pytest.mark.parametrize("posted_first", [True, False])
+@pytest.mark.parametrize(("sent_in", "posted_in"), [(1, 3), (3, 1), (2, 3)])
+def test_a_frame_cut_into_other_parts_than_its_receive_is_a_mismatch(posted_first: bool, sent_in: int,
+                                                                      posted_in: int) -> None:
+    """With several connections a frame goes in parts, numbered by how many there are: a sender and a
+    receiver that disagree on its size cut it differently, and must hear so rather than wait."""
+    matcher, aborted = _matcher(striped=True)
+    op = _op()
+    matcher.begin(op)
+    recvs = [Recv(op, 1, striping.part_sub(5, part, posted_in), memoryview(bytearray(8)), None, None)
+             for part in range(posted_in)]
+    raised = {}  # the parts whose posting raised, the op being over by then
+
+    def post() -> None:
+        for recv in recvs:
+            try:
+                matcher.post(recv)
+            except CollectiveMismatchError as exc:
+                raised[recv] = exc
+
+    if posted_first:
+        post()
+    for part in reversed(range(sent_in)):  # the first part last: the others, held, betray nothing
+        matcher.arrive(1, op.ident, striping.part_sub(5, part, sent_in), SIG, 8).done()
+    if not posted_first:
+        post()
+    assert len(aborted) == 1 and "a frame of a different size" in str(aborted[0])
+    assert all(raised.get(recv, recv.error) is aborted[0] for recv in recvs)
 
 
 def test_a_lost_peer_fails_what_waits_on_it_and_what_it_takes_part_in() -> None:

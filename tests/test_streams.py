@@ -1,6 +1,6 @@
 """Several TCP connections per pair of ranks (SHOAL_STREAMS): large frames go round them, every result is
 the same as over one, a frame sent just before its sender leaves still arrives, the connections heal
-like one, and ranks that disagree on the number are told so."""
+like one, and ranks that disagree on the number, or on a frame's size and so on its parts, are told so."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import shoal.distributed as dist
 from shoal.comm.transport import striping
 from shoal.comm.transport.frames import Op, Recv
-from shoal.errors import PeerFailure
+from shoal.errors import CollectiveMismatchError, PeerFailure
 from tests.ranks import run_ranks
 
 _STREAMS = {"SHOAL_STREAMS": "3", "SHOAL_SHM": "0"}  # SHOAL_SHM=0: between ranks as between hosts
@@ -115,6 +115,28 @@ def test_ranks_that_disagree_on_the_number_of_streams_are_told_so() -> None:
     assert "keeps 2 connection(s) to each other rank, and rank 0 keeps 1: SHOAL_STREAMS must be" in said[1]
     assert ("rank 1's connection was refused: this rank keeps 1 connection(s) to each other rank, and rank 1 "
             "keeps 2" in said[0])
+
+
+def _all_to_all_of_other_sizes(rank: int, world: int, sent: int, expected: int) -> str:
+    """Rank 1 expects `expected` elements from rank 0, which sends `sent`; every other block agrees."""
+    outs = [torch.empty(expected if (rank, src) == (1, 0) else sent) for src in range(world)]
+    try:
+        dist.all_to_all(outs, [torch.full((sent,), float(rank)) for _ in range(world)])
+        said = "done"  # rank 0 may finish first: what it received was right
+    except CollectiveMismatchError as exc:
+        said = str(exc)
+    survivor = torch.ones(4)
+    dist.all_reduce(survivor)  # the group stays usable
+    assert torch.equal(survivor, torch.full((4,), float(world)))
+    return said
+
+
+@pytest.mark.parametrize(("sent", "expected"), [(100_000, 300_000), (300_000, 100_000)])
+def test_a_block_of_another_size_cut_into_other_parts_is_a_mismatch(sent: int, expected: int) -> None:
+    """400 KB go in one part and 1.2 MB in three: the parts' numbers differ, and the receiver must not wait."""
+    said = run_ranks(_all_to_all_of_other_sizes, 2, sent, expected, env=_STREAMS, timeout=60, group_timeout=30)
+    assert "rank 1 called all_to_all" in said[1] and "rank 0 sent a frame of a different size" in said[1], said
+    assert said[0] == "done" or said[0] == said[1], said
 
 
 def test_a_frame_is_cut_alike_from_its_size_and_its_parts_are_numbered_apart() -> None:

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
+from shoal.comm.transport import striping
 from shoal.comm.transport.frames import Held, Op, Recv, Signature
 from shoal.errors import CollectiveMismatchError, GroupBrokenError, PeerFailure
 
 # Frame key: (src, group, tag, seq, sub)
 Key = tuple[int, int, int, int, int]
+_Frame = TypeVar("_Frame", Held, Recv)
 
 
 class Arrival:
@@ -43,9 +46,11 @@ class Arrival:
 class Matcher:
     """The receive side of every operation of one transport, and the failures that end them."""
 
-    def __init__(self, rank: int, abort: Callable[[Op, BaseException], None]) -> None:
+    def __init__(self, rank: int, abort: Callable[[Op, BaseException], None], *, striped: bool = False) -> None:
+        """`striped`: large frames may come in parts (striping.py), whose numbers say how many."""
         self.rank = rank
         self._abort = abort  # fails an op here and tells the other ranks taking part
+        self._striped = striped
         self._lock = threading.Lock()
         self._posted: dict[Key, Recv] = {}
         # Receives posted together, of which the first frame to arrive is taken (from any source): each
@@ -76,6 +81,7 @@ class Matcher:
 
     def post(self, recv: Recv) -> None:
         key = (recv.src, *recv.op.ident, recv.sub)
+        other_cut: Held | None = None
         with self._lock:
             held = self._held.get(key)
             recv.taken = held is not None
@@ -83,12 +89,17 @@ class Matcher:
                 del self._held[key]  # a frame that arrived is delivered, even if its sender has left since
             else:
                 self.check_usable(recv.op, recv.src)
-                if held is None:
-                    self._posted[key] = recv
-                else:
+                if held is not None:
                     held.waiter = recv  # handed over when the frame is in
-                return
-        self._deliver_held(recv, held)
+                    return
+                other_cut = self._cut_otherwise(self._held, key)
+                if other_cut is None:
+                    self._posted[key] = recv
+                    return
+        if other_cut is not None:
+            self.mismatch(recv.op, recv.src, other_cut.sig, recv)  # its sender cut the frame otherwise
+        else:
+            self._deliver_held(recv, held)
 
     def post_first(self, candidates: list[Recv]) -> None:
         """Post receives of which only the first frame to arrive is taken (a receive from any source: one
@@ -143,7 +154,7 @@ class Matcher:
                 self._drop_rivals(key)  # the first frame for a receive from any source
             if recv is None and _abort_key(ident, src) not in self._aborted:
                 active = self._active.get(ident)
-                if active is not None and active.sig != sig:
+                if active is not None and (active.sig != sig or self._cut_otherwise(self._posted, key) is not None):
                     conflict = active
                 else:
                     held = self._held[key] = Held(sig, nbytes)
@@ -162,6 +173,15 @@ class Matcher:
                 waiter = None  # end() withdrew it while it was read in: its op is over, nobody waits
         if waiter is not None:
             self._deliver_held(waiter, held)
+
+    def _cut_otherwise(self, frames: dict[Key, _Frame], key: Key) -> _Frame | None:
+        """The first part of frame `key` as cut into another number of parts, found among `frames`: its
+        sender and receiver disagree on its size, so neither will ever see the other's parts under `key`."""
+        if not self._striped:
+            return None
+        src, group, tag, seq, sub = key
+        return next((frames[k] for k in ((src, group, tag, seq, other)
+                                         for other in striping.first_parts_of_other_cuts(sub)) if k in frames), None)
 
     def _deliver_held(self, recv: Recv, held: Held) -> None:
         if held.sig != recv.op.sig or len(held.data) != len(recv.view):
