@@ -19,10 +19,10 @@ def _op(seq: int = 1, sig: tuple = SIG) -> Op:
     return Op(0, -1, seq, sig, (0, 1), timedelta(seconds=10), "test op", lambda s: f"op{s}")  # a collective
 
 
-def _matcher(*, striped: bool = False) -> tuple[Matcher, list]:
+def _matcher(*, streams: int = 1) -> tuple[Matcher, list]:
     aborted: list = []
     matcher = Matcher(0, lambda op, error: (aborted.append(error), matcher.fail_op(op.ident, error, op.ranks[0])),
-                      striped=striped)
+                      streams=streams)
     return matcher, aborted
 
 
@@ -114,7 +114,7 @@ def test_a_frame_cut_into_other_parts_than_its_receive_is_a_mismatch(posted_firs
                                                                       posted_in: int) -> None:
     """With several connections a frame goes in parts, numbered by how many there are: a sender and a
     receiver that disagree on its size cut it differently, and must hear so rather than wait."""
-    matcher, aborted = _matcher(striped=True)
+    matcher, aborted = _matcher(streams=3)
     op = _op()
     matcher.begin(op)
     recvs = [Recv(op, 1, striping.part_sub(5, part, posted_in), memoryview(bytearray(8)), None, None)

@@ -151,6 +151,11 @@ def test_a_frame_is_cut_alike_from_its_size_and_its_parts_are_numbered_apart() -
     assert len({striping.spread(7, striping.part_sub(3, part, 4)) % 4 for part in range(4)}) == 4
     with pytest.raises(ValueError, match="too large to be striped"):
         striping.part_sub(1 << 24, 1, 2)
+    # Where a frame's two ends cut it differently, their first parts are found from either.
+    assert striping.first_parts_of_other_cuts(5, 3) == [striping.part_sub(5, 0, 2), striping.part_sub(5, 0, 3)]
+    assert striping.first_parts_of_other_cuts(striping.part_sub(5, 0, 2), 3) == [5, striping.part_sub(5, 0, 3)]
+    assert striping.first_parts_of_other_cuts(striping.part_sub(5, 1, 2), 3) == []  # not a first part
+    assert striping.first_parts_of_other_cuts((1 << 31) + 5, 3) == []  # placement's numbers are never parts
 
 
 def _striped(process) -> tuple[Recv, list[Recv]]:

@@ -46,11 +46,11 @@ class Arrival:
 class Matcher:
     """The receive side of every operation of one transport, and the failures that end them."""
 
-    def __init__(self, rank: int, abort: Callable[[Op, BaseException], None], *, striped: bool = False) -> None:
-        """`striped`: large frames may come in parts (striping.py), whose numbers say how many."""
+    def __init__(self, rank: int, abort: Callable[[Op, BaseException], None], *, streams: int = 1) -> None:
+        """`streams`: the connections per pair, at most as many parts as a large frame is cut into (striping.py)."""
         self.rank = rank
         self._abort = abort  # fails an op here and tells the other ranks taking part
-        self._striped = striped
+        self._streams = streams
         self._lock = threading.Lock()
         self._posted: dict[Key, Recv] = {}
         # Receives posted together, of which the first frame to arrive is taken (from any source): each
@@ -177,11 +177,14 @@ class Matcher:
     def _cut_otherwise(self, frames: dict[Key, _Frame], key: Key) -> _Frame | None:
         """The first part of frame `key` as cut into another number of parts, found among `frames`: its
         sender and receiver disagree on its size, so neither will ever see the other's parts under `key`."""
-        if not self._striped:
+        if self._streams == 1:
             return None
         src, group, tag, seq, sub = key
-        return next((frames[k] for k in ((src, group, tag, seq, other)
-                                         for other in striping.first_parts_of_other_cuts(sub)) if k in frames), None)
+        for other in striping.first_parts_of_other_cuts(sub, self._streams):
+            found = frames.get((src, group, tag, seq, other))
+            if found is not None:
+                return found
+        return None
 
     def _deliver_held(self, recv: Recv, held: Held) -> None:
         if held.sig != recv.op.sig or len(held.data) != len(recv.view):

@@ -56,7 +56,7 @@ class Transport(Connecting):
         self._links: dict[tuple[int, int], PeerLink] = {}
         self._refused: dict[int, str] = {}
         self._links_changed = threading.Condition(self._lock)
-        self._matcher = Matcher(rank, self.abort, striped=streams > 1)
+        self._matcher = Matcher(rank, self.abort, streams=streams)
         self._handlers: dict[int, FrameHandler] = {}
         self._failure_listeners: list[Callable[[PeerFailure], None]] = []
         self.closed = False

@@ -18,8 +18,7 @@ PART_MIN = 256 << 10  # smaller parts cost more in per-frame work than another c
 _SHIFT, _COUNT_SHIFT = 24, 27
 _OWN = (1 << _SHIFT) - 1
 _INDEX = (1 << (_COUNT_SHIFT - _SHIFT)) - 1
-_COUNTS = tuple((parts - 1) << _COUNT_SHIFT for parts in range(1, _INDEX + 2))  # as a part's number has them
-_PLACEMENT = 1 << 30  # numbers from here on are placement.py's records, never parts
+_PARTS_END = 1 << 30  # part_sub's numbers all lie below
 
 
 def cuts(nbytes: int, streams: int) -> list[int]:
@@ -38,14 +37,14 @@ def part_sub(sub: int, part: int, parts: int) -> int:
     return sub | part << _SHIFT | (parts - 1) << _COUNT_SHIFT
 
 
-def first_parts_of_other_cuts(sub: int) -> tuple[int, ...]:
+def first_parts_of_other_cuts(sub: int, streams: int) -> list[int]:
     """For the first part of a frame (or a frame in one part), the numbers the first part of the same frame
-    goes under when cut into any other number of parts: where a sender and a receiver that disagree on the
-    frame's size meet, rather than each waiting for parts the other never posts or sends."""
-    if sub >= _PLACEMENT or sub >> _SHIFT & _INDEX:
-        return ()
+    goes under when cut into any other number of parts `streams` allows: where a sender and a receiver that
+    disagree on the frame's size meet, rather than each waiting for parts the other never posts or sends."""
+    if sub >= _PARTS_END or sub >> _SHIFT & _INDEX:
+        return []
     own = sub & _OWN
-    return tuple(own | count for count in _COUNTS if own | count != sub)
+    return [n for n in (part_sub(own, 0, parts) for parts in range(1, streams + 1)) if n != sub]
 
 
 def spread(seq: int, sub: int) -> int:
