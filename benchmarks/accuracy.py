@@ -29,8 +29,9 @@ TARGET = 0.95
 EVAL_EVERY = 6  # steps between evaluations: also DiLoCo's sync_every, so that it is evaluated when replicas agree
 LR = 2e-3
 METHODS = ("torch DDP fp32", "torch DDP fp16", "torch PowerSGD", "shoal DDP fp32", "shoal DDP bf16",
-           "shoal PowerSGD", "shoal DiLoCo")
+           "shoal PowerSGD", "shoal batched PowerSGD", "shoal DiLoCo")
 POWERSGD = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 12}  # compressing after the first epoch
+BATCHED = {**POWERSGD, "matrix_approximation_rank": 1}  # torch's advice for its batched variant
 # What the link may send above its rate after a quiet while: 64 KB (one segment the kernel hands it at once).
 # The evaluations leave the link idle every EVAL_EVERY steps; a bucket as deep as `shoal bench hosts`'s 1 MB
 # would refill in them and carry a whole interval's gradients (6 x 153 KB) at once, above the rate.
@@ -45,7 +46,13 @@ def _model_and_optimizer(method: str, net):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from shoal.optim import DiLoCoOptimizer
-    from shoal.parallel import DistributedDataParallel, PowerSGDState, bf16_compress_hook, powerSGD_hook
+    from shoal.parallel import (
+        DistributedDataParallel,
+        PowerSGDState,
+        batched_powerSGD_hook,
+        bf16_compress_hook,
+        powerSGD_hook,
+    )
 
     inner = torch.optim.Adam(net.parameters(), lr=LR)
     if method == "shoal DiLoCo":
@@ -55,7 +62,8 @@ def _model_and_optimizer(method: str, net):
     hooks = {"torch DDP fp16": (None, default_hooks.fp16_compress_hook),
              "torch PowerSGD": (torch_powersgd.PowerSGDState(None, **POWERSGD), torch_powersgd.powerSGD_hook),
              "shoal DDP bf16": (None, bf16_compress_hook),
-             "shoal PowerSGD": (PowerSGDState(None, **POWERSGD), powerSGD_hook)}
+             "shoal PowerSGD": (PowerSGDState(None, **POWERSGD), powerSGD_hook),
+             "shoal batched PowerSGD": (PowerSGDState(None, **BATCHED), batched_powerSGD_hook)}
     if method in hooks:
         model.register_comm_hook(*hooks[method])
     return model, inner

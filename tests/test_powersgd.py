@@ -6,10 +6,12 @@ steps travels to a new generation's members through its state dict. Bad argument
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -107,6 +109,70 @@ def test_powersgd_averages_each_bucket_as_torch_s_hook_does(world: int, options:
     assert not torch.allclose(out[0]["shoal"][len(LAYOUT) * START], exact, atol=1e-3)
 
 
+def _batched(rank: int, world: int, options: dict[str, Any]) -> tuple[list[torch.Tensor], tuple]:
+    from shoal.comm.api import group as shoal_group
+    from shoal.parallel import PowerSGDState, batched_powerSGD_hook
+
+    state = PowerSGDState(process_group=None, start_powerSGD_iter=START, **options)
+    averages = _averages(state, batched_powerSGD_hook, shoal_group.WORLD, _buckets(rank), in_flight=True)
+    return averages, state.compression_stats()
+
+
+def _batched_reference(world: int, matrix_approximation_rank: int, use_error_feedback: bool = True,
+                       warm_start: bool = True) -> list[torch.Tensor]:
+    """Batched PowerSGD worked out in one process from every rank's buckets: each bucket's flat gradients,
+    padded with zeros to a square, approximated as P Q^T by one power iteration from the last step's Q, what
+    it misses carried to each rank's next step. (torch 2.13's own batched hook fails before it computes:
+    it hands its orthogonalization a 2-D Q where that asserts a batch, so it cannot be the reference.)"""
+    inputs = [_buckets(r) for r in range(world)]
+    seeds = np.random.RandomState(0)  # torch's and shoal's draws of fresh Qs
+    errors: dict[tuple[int, int], torch.Tensor] = {}
+    qs: dict[int, torch.Tensor] = {}
+    out = []
+    for step in range(STEPS):
+        for b in range(len(LAYOUT)):
+            flats = [torch.cat([g.reshape(-1) for g in inputs[r][step][b]]) for r in range(world)]
+            if step < START:
+                out.append(sum(flats) / world)
+                continue
+            n = flats[0].numel()
+            side = math.ceil(math.sqrt(n))
+            squares = [torch.cat([f, f.new_zeros(side * side - n)]).view(side, side) for f in flats]
+            squares = [s + errors[r, b] if (r, b) in errors else s for r, s in enumerate(squares)]
+            if b not in qs or not warm_start:
+                generator = torch.Generator().manual_seed(int(seeds.randint(1_000_000_000)))
+                qs[b] = torch.randn(side, min(side, matrix_approximation_rank), generator=generator)
+            q = torch.linalg.qr(qs[b]).Q
+            p = torch.linalg.qr(sum(s @ q for s in squares)).Q
+            qs[b] = sum(s.t() @ p for s in squares) / world
+            approximation = p @ qs[b].t()
+            if use_error_feedback:
+                errors.update({(r, b): s - approximation for r, s in enumerate(squares)})
+            out.append(approximation.reshape(-1)[:n])
+    return out
+
+
+@pytest.mark.parametrize(("world", "options"), [
+    (2, {"matrix_approximation_rank": 1}),
+    (3, {"matrix_approximation_rank": 4, "warm_start": False}),  # QR, fresh Qs every step
+    (2, {"matrix_approximation_rank": 2, "use_error_feedback": False}),
+])
+def test_batched_powersgd_averages_each_bucket_as_one_square_matrix(world: int, options: dict[str, Any]) -> None:
+    out = run_ranks(_batched, world, options, timeout=90)
+    expected = _batched_reference(world, **options)
+    for rank in range(world):
+        averages, (_, before, after) = out[rank]
+        for i, (mine, theirs) in enumerate(zip(averages, expected, strict=True)):
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, r=rank, i=i: f"rank {r}, step {i // 3} bucket {i % 3}: {m}")
+        assert torch.equal(torch.cat(averages), torch.cat(out[0][0]))  # every replica gets the same
+        # torch's count: each bucket's length before, two sides by the rank after
+        sides = [math.ceil(math.sqrt(sum(math.prod(s) for s in shapes))) for shapes in LAYOUT]
+        assert (before, after) == ((STEPS - START) * sum(sum(math.prod(s) for s in shapes) for shapes in LAYOUT),
+                                   (STEPS - START) * sum(2 * side * options["matrix_approximation_rank"]
+                                                         for side in sides))
+
+
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -122,7 +188,7 @@ def _train_ddp(rank: int, world: int, gloo_port: int, shoal_port: int) -> dict[s
     gloo and on backend "shoal" (torch's hook starts all-reduces in its futures' callbacks and waits there)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-    from shoal.parallel import DistributedDataParallel, PowerSGDState, powerSGD_hook
+    from shoal.parallel import DistributedDataParallel, PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
     gen = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)) for _ in range(8)]
@@ -142,6 +208,8 @@ def _train_ddp(rank: int, world: int, gloo_port: int, shoal_port: int) -> dict[s
     # Two buckets in flight before the first is awaited; without warm start each drops its own factors.
     out["two buckets"] = train(functools.partial(DistributedDataParallel, bucket_cap_mb=0.004), PowerSGDState(
         None, 2, start_powerSGD_iter=3, warm_start=False), powerSGD_hook)
+    out["batched"] = train(DistributedDataParallel, PowerSGDState(None, 1, start_powerSGD_iter=3),
+                           batched_powerSGD_hook)
     for backend, port in (("gloo", gloo_port), ("shoal", shoal_port)):
         with _torch_group(rank, world, port, backend):
             out[f"torch on {backend}"] = train(nn.parallel.DistributedDataParallel, torch_powersgd.PowerSGDState(
@@ -158,7 +226,7 @@ def test_ddp_with_powersgd_trains_the_replicas_as_torch_s_ddp_does() -> None:
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
         for on_shoal, on_gloo in zip(out[rank]["torch on shoal"], out[rank]["torch on gloo"], strict=True):
             assert torch.equal(on_shoal, on_gloo)  # two ranks' sums: one rounding, in either library
-        for key in ("shoal", "two buckets"):
+        for key in ("shoal", "two buckets", "batched"):
             for mine, other in zip(out[rank][key], out[0][key], strict=True):
                 assert torch.equal(mine, other)  # the replicas stay equal
 

@@ -10,7 +10,7 @@ from shoal.parallel.fully_shard import FSDPModule, fully_shard
 from shoal.parallel.join import Join, Joinable, JoinHook
 from shoal.parallel.model_averaging import ModelAverager, PeriodicModelAverager
 from shoal.parallel.post_local_sgd_hook import PostLocalSGDState, post_localSGD_hook
-from shoal.parallel.powersgd_hook import PowerSGDState, powerSGD_hook
+from shoal.parallel.powersgd_hook import PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
 __all__ = [
     "DataParallel",
@@ -25,6 +25,7 @@ __all__ = [
     "PostLocalSGDState",
     "PowerSGDState",
     "allreduce_hook",
+    "batched_powerSGD_hook",
     "bf16_compress_hook",
     "fp16_compress_hook",
     "fully_shard",

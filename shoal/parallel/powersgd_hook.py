@@ -8,7 +8,8 @@ and powerSGD_hook, with the same arguments and, for the same inputs, the same re
     model.register_comm_hook(state, powerSGD_hook)
 
 Per bucket, two all-reduces where torch's makes three: the uncompressed tensors (vectors, and matrices too
-small to gain) travel with P, then Q. Under LiveTraining, pass the state as `extra={"powersgd": state}`:
+small to gain) travel with P, then Q. `batched_powerSGD_hook` is torch's simpler variant: the whole bucket as
+one square matrix. Under LiveTraining, pass the state as `extra={"powersgd": state}`:
 every generation then starts from rank 0's step count, random generator and Qs, so a joiner projects as
 the others do.
 """
@@ -16,6 +17,7 @@ the others do.
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -161,11 +163,54 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
     return Pending(work, decompress)
 
 
+def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
+    """PowerSGD of the bucket as one matrix, torch's batched_powerSGD_hook: the flat gradients, padded with
+    zeros to a square, sent as one pair of factors. Two products and two small all-reduces a bucket however
+    many layers it holds, so cheaper than `powerSGD_hook`, but far less accurate unless
+    `matrix_approximation_rank` is 1: one layer's gradients are approximated together with another's."""
+    group = state.process_group if state.process_group is not None else bucket.group
+    flat = bucket.buffer()
+    if state.iter < state.start_powerSGD_iter:
+        state.maybe_increase_iter(bucket)
+        return Pending(_divide_then_sum(flat, group), bucket.buffer)
+    index, length = bucket.index(), flat.numel()
+    side = math.ceil(math.sqrt(length))
+    state.total_numel_before_compression += length
+    state.total_numel_after_compression += 2 * side * state.matrix_approximation_rank
+    _report_stats(state, bucket)
+    square = flat.new_zeros(side * side)
+    square[:length] = flat
+    sent = None
+    if state.use_error_feedback:  # the padding keeps its error too, as torch's does
+        if index in state.error_dict:
+            square.add_(state.error_dict[index])
+        sent = square.clone()
+    matrix = square.view(side, side)
+    ps, qs = _factors(state, index, [matrix.unsqueeze(0)], flat)
+    p, q = ps[0][0], qs[0][0]  # 2-D views of the bucket's factors
+    torch.matmul(matrix, q, out=p)  # 2-D products, as torch's: the same rounding
+    work = group.all_reduce(p, ReduceOp.SUM)
+
+    def decompress() -> torch.Tensor:
+        _orthogonalize(p.unsqueeze(0), state.orthogonalization_epsilon)
+        torch.matmul(matrix.t(), p, out=q)
+        group.all_reduce(q, ReduceOp.SUM).wait()
+        q.div_(group.size)
+        torch.matmul(p, q.t(), out=matrix)
+        if sent is not None:
+            state.error_dict[index] = sent - square
+        if not state.warm_start:
+            del state.p_memory_dict[index], state.q_memory_dict[index]
+        state.maybe_increase_iter(bucket)
+        return flat.copy_(square[:length])
+    return Pending(work, decompress)
+
+
 def _sort_by_compression(state: PowerSGDState, bucket: GradBucket
                          ) -> tuple[dict[torch.Size, list[torch.Tensor]], list[torch.Tensor]]:
     """The bucket's gradients worth compressing, as matrices (first dimension by the rest) grouped by shape
     in order of first appearance, the order their factors lie in memory; and the others. Counts both in the
-    compression statistics, and logs them at the last bucket when they are due."""
+    compression statistics."""
     matrices: dict[torch.Size, list[torch.Tensor]] = defaultdict(list)
     plain = []
     for tensor in bucket.gradients():
@@ -179,12 +224,17 @@ def _sort_by_compression(state: PowerSGDState, bucket: GradBucket
         else:
             plain.append(tensor)
             state.total_numel_after_compression += n * m
+    _report_stats(state, bucket)
+    return matrices, plain
+
+
+def _report_stats(state: PowerSGDState, bucket: GradBucket) -> None:
+    """Log the compression statistics at the last bucket of a backward pass, when they are due."""
     if bucket.is_last() and state.iter >= state.next_stats_report:
         rate, before, after = state.compression_stats()
         logger.info("Compression stats: iter %s, total before compression %s, total after compression %s, rate %s",
                     state.iter, before, after, rate)
         state.next_stats_report = state.iter + state.compression_stats_logging_frequency
-    return matrices, plain
 
 
 def _stacks(matrices: dict[torch.Size, list[torch.Tensor]], batched: bool) -> list[torch.Tensor]:
