@@ -165,9 +165,9 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
 
 def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
     """PowerSGD of the bucket as one matrix, torch's batched_powerSGD_hook: the flat gradients, padded with
-    zeros to a square, sent as one pair of factors. Two products and two small all-reduces a bucket however
-    many layers it holds, so cheaper than `powerSGD_hook`, but far less accurate unless
-    `matrix_approximation_rank` is 1: one layer's gradients are approximated together with another's."""
+    zeros to a square, sent as one pair of factors: two products a bucket however many layers it holds, but
+    far less accurate than `powerSGD_hook` unless `matrix_approximation_rank` is 1, as one layer's gradients
+    are approximated together with another's."""
     group = state.process_group if state.process_group is not None else bucket.group
     flat = bucket.buffer()
     if state.iter < state.start_powerSGD_iter:
@@ -188,7 +188,7 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
     matrix = square.view(side, side)
     ps, qs = _factors(state, index, [matrix.unsqueeze(0)], flat)
     p, q = ps[0][0], qs[0][0]  # 2-D views of the bucket's factors
-    torch.matmul(matrix, q, out=p)  # 2-D products, as torch's: the same rounding
+    torch.matmul(matrix, q, out=p)
     work = group.all_reduce(p, ReduceOp.SUM)
 
     def decompress() -> torch.Tensor:
