@@ -68,19 +68,27 @@ def _torch_group(rank: int, world: int, port: int, backend: str = "gloo") -> Ite
         torch_dist.destroy_process_group()
 
 
-def _hooks(rank: int, world: int, torch_port: int, options: dict[str, Any]) -> dict[str, Any]:
+def _hooks(rank: int, world: int, torch_port: int, options: dict[str, Any], wrapper: str | None = None
+           ) -> dict[str, Any]:
+    """Each library's powerSGD_hook (in each one's `wrapper`, if named) on the same buckets."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
+    import shoal.parallel
     from shoal.comm.api import group as shoal_group
     from shoal.parallel import PowerSGDState, powerSGD_hook
 
+    def wrapped(library: Any, hook: Any) -> Any:
+        return hook if wrapper is None else getattr(library, wrapper)(hook)
+
     steps, out = _buckets(rank), {}
     state = PowerSGDState(process_group=None, start_powerSGD_iter=START, **options)
-    out["shoal"] = _averages(state, powerSGD_hook, shoal_group.WORLD, steps, in_flight=True)
+    out["shoal"] = _averages(state, wrapped(shoal.parallel, powerSGD_hook), shoal_group.WORLD, steps, in_flight=True)
     out["shoal stats"], out["shoal iter"] = state.compression_stats(), state.iter
     with _torch_group(rank, world, torch_port):
         state = torch_powersgd.PowerSGDState(process_group=None, start_powerSGD_iter=START, **options)
-        out["torch"] = _averages(state, torch_powersgd.powerSGD_hook, None, steps, in_flight=False)
+        out["torch"] = _averages(state, wrapped(default_hooks, torch_powersgd.powerSGD_hook), None, steps,
+                                 in_flight=False)
         out["torch stats"], out["torch iter"] = state.compression_stats(), state.iter
     return out
 
@@ -107,6 +115,19 @@ def test_powersgd_averages_each_bucket_as_torch_s_hook_does(world: int, options:
         torch.testing.assert_close(out[rank]["shoal"], out[0]["shoal"], rtol=0, atol=0)
     exact = torch.cat([sum(_buckets(r)[START][0][j] for r in range(world)).reshape(-1) / world for j in range(4)])
     assert not torch.allclose(out[0]["shoal"][len(LAYOUT) * START], exact, atol=1e-3)
+
+
+@pytest.mark.parametrize("wrapper", ["fp16_compress_wrapper", "bf16_compress_wrapper"])
+def test_a_compress_wrapper_sends_powersgd_narrower_as_torch_s_does(wrapper: str) -> None:
+    from shoal.ports import free_port
+
+    out = run_ranks(_hooks, 2, free_port(), {"matrix_approximation_rank": 2}, wrapper, timeout=90)
+    for rank in range(2):
+        assert out[rank]["shoal stats"] == out[rank]["torch stats"]
+        for i, (mine, theirs) in enumerate(zip(out[rank]["shoal"], out[rank]["torch"], strict=True)):
+            assert mine.dtype == torch.float32, mine.dtype  # cast back into the bucket (torch's DDP casts)
+            torch.testing.assert_close(mine, theirs.float(), rtol=0, atol=0,
+                                       msg=lambda m, r=rank, i=i: f"rank {r}, step {i // 3} bucket {i % 3}: {m}")
 
 
 def _batched(rank: int, world: int, options: dict[str, Any]) -> tuple[list[torch.Tensor], tuple]:
@@ -188,7 +209,14 @@ def _train_ddp(rank: int, world: int, gloo_port: int, shoal_port: int) -> dict[s
     gloo and on backend "shoal" (torch's hook starts all-reduces in its futures' callbacks and waits there)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-    from shoal.parallel import DistributedDataParallel, PowerSGDState, batched_powerSGD_hook, powerSGD_hook
+    from shoal.parallel import (
+        DistributedDataParallel,
+        PowerSGDState,
+        allreduce_hook,
+        batched_powerSGD_hook,
+        bf16_compress_wrapper,
+        powerSGD_hook,
+    )
 
     gen = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)) for _ in range(8)]
@@ -210,6 +238,13 @@ def _train_ddp(rank: int, world: int, gloo_port: int, shoal_port: int) -> dict[s
         None, 2, start_powerSGD_iter=3, warm_start=False), powerSGD_hook)
     out["batched"] = train(DistributedDataParallel, PowerSGDState(None, 1, start_powerSGD_iter=3),
                            batched_powerSGD_hook)
+
+    def narrowing_hook(state: Any, bucket: Any) -> Any:  # as torch's wrappers do: answers in bfloat16
+        bucket.set_buffer(bucket.buffer().to(torch.bfloat16))
+        return allreduce_hook(state, bucket)
+
+    out["narrowed"] = train(DistributedDataParallel, None, narrowing_hook)
+    out["bf16 wrapper"] = train(DistributedDataParallel, None, bf16_compress_wrapper(allreduce_hook))
     for backend, port in (("gloo", gloo_port), ("shoal", shoal_port)):
         with _torch_group(rank, world, port, backend):
             out[f"torch on {backend}"] = train(nn.parallel.DistributedDataParallel, torch_powersgd.PowerSGDState(
@@ -226,7 +261,9 @@ def test_ddp_with_powersgd_trains_the_replicas_as_torch_s_ddp_does() -> None:
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
         for on_shoal, on_gloo in zip(out[rank]["torch on shoal"], out[rank]["torch on gloo"], strict=True):
             assert torch.equal(on_shoal, on_gloo)  # two ranks' sums: one rounding, in either library
-        for key in ("shoal", "two buckets", "batched"):
+        for mine, wrapped in zip(out[rank]["narrowed"], out[rank]["bf16 wrapper"], strict=True):
+            assert mine.dtype == torch.float32 and torch.equal(mine, wrapped)  # the narrow answer lands as float32
+        for key in ("shoal", "two buckets", "batched", "bf16 wrapper"):
             for mine, other in zip(out[rank][key], out[0][key], strict=True):
                 assert torch.equal(mine, other)  # the replicas stay equal
 

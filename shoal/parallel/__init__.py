@@ -3,7 +3,14 @@ DataParallel (threads in one process), fully_shard (ZeRO stage 3: parameters, gr
 sharded), Join (training on uneven inputs), and model averaging with the
 post-local SGD hook (local steps, parameters averaged every few; the optimizer is shoal.optim's)."""
 
-from shoal.parallel.comm_hooks import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from shoal.parallel.comm_hooks import (
+    GradBucket,
+    allreduce_hook,
+    bf16_compress_hook,
+    bf16_compress_wrapper,
+    fp16_compress_hook,
+    fp16_compress_wrapper,
+)
 from shoal.parallel.data_parallel import DataParallel
 from shoal.parallel.ddp import DistributedDataParallel
 from shoal.parallel.fully_shard import FSDPModule, fully_shard
@@ -27,7 +34,9 @@ __all__ = [
     "allreduce_hook",
     "batched_powerSGD_hook",
     "bf16_compress_hook",
+    "bf16_compress_wrapper",
     "fp16_compress_hook",
+    "fp16_compress_wrapper",
     "fully_shard",
     "post_localSGD_hook",
     "powerSGD_hook",

@@ -8,6 +8,7 @@ built-in hooks take the process group there (None: DDP's own group).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -34,6 +35,10 @@ class GradBucket:
     def buffer(self) -> torch.Tensor:
         """The gradients, flat: reduce it in place or answer a new tensor."""
         return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        """Replace what `buffer()` answers (torch's compress wrappers hand the hook they wrap a narrower copy)."""
+        self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
         """Each parameter's slice of `buffer()`, shaped as the parameter: writing one writes the buffer."""
@@ -93,3 +98,34 @@ fp16_compress_hook = _compressed(torch.float16)
 fp16_compress_hook.__doc__ = "Send gradients as float16: half the bytes, about 3 significant digits."
 bf16_compress_hook = _compressed(torch.bfloat16)
 bf16_compress_hook.__doc__ = "Send gradients as bfloat16: half the bytes, float32's range, about 2 digits."
+
+
+class _CastBack:
+    """A wrapped hook's reduction in flight: `wait()` writes its answer, reduced in a narrower dtype, back into
+    the bucket's own buffer."""
+
+    def __init__(self, pending: Any, into: torch.Tensor) -> None:
+        self._pending, self._into = pending, into
+
+    def wait(self) -> torch.Tensor:
+        return self._into.copy_(self._pending.wait())
+
+
+_Hook = Callable[[Any, GradBucket], Any]  # answers something whose wait() gives the averaged flat gradient
+
+
+def _compress_wrapper(dtype: torch.dtype) -> Callable[[_Hook], _Hook]:
+    def wrapper(hook: _Hook) -> _Hook:
+        def compressed_hook(state: Any, bucket: GradBucket) -> _CastBack:
+            narrow = GradBucket(bucket._bucket, bucket.buffer().to(dtype), bucket.group, last=bucket.is_last())
+            return _CastBack(hook(state, narrow), bucket.buffer())
+        return compressed_hook
+    return wrapper
+
+
+fp16_compress_wrapper = _compress_wrapper(torch.float16)
+fp16_compress_wrapper.__doc__ = """`hook` given the bucket as float16 and its answer cast back, torch's wrapper:
+`fp16_compress_wrapper(powerSGD_hook)` sends PowerSGD's factors in half the bytes."""
+bf16_compress_wrapper = _compress_wrapper(torch.bfloat16)
+bf16_compress_wrapper.__doc__ = """`hook` given the bucket as bfloat16 and its answer cast back, torch's
+wrapper: float32's range in half the bytes, about 2 significant digits."""
