@@ -3,6 +3,8 @@ identical, buckets reduce during backward, and structural mistakes are named, on
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -184,6 +186,33 @@ def test_a_rank_without_some_gradients_and_one_with_all_reduce_together() -> Non
     for rank in range(2):
         for name, param in net.named_parameters():
             torch.testing.assert_close(out[rank][name], param.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def _narrowed(rank: int, world: int, how: str) -> dict[str, torch.Tensor]:
+    from shoal.parallel import DistributedDataParallel, allreduce_hook, bf16_compress_wrapper
+
+    def narrowing_hook(state: Any, bucket: Any) -> Any:  # as torch's compress wrappers do: answers in bfloat16
+        bucket.set_buffer(bucket.buffer().to(torch.bfloat16))
+        return allreduce_hook(state, bucket)
+
+    ddp = DistributedDataParallel(_optional_model(), find_unused_parameters=True)
+    ddp.register_comm_hook(None, narrowing_hook if how == "hook" else bf16_compress_wrapper(allreduce_hook))
+    x, y = _batch("mlp", rank, 0)
+    nn.functional.cross_entropy(ddp(x, rank == 1), y).backward()  # rank 0's extra head gets its .grad here
+    return {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+
+
+def test_a_hook_answering_in_another_dtype_gives_gradients_in_the_parameters() -> None:
+    out = {how: run_ranks(_narrowed, 2, how) for how in ("hook", "wrapper")}
+    net = _optional_model()
+    for rank in range(2):
+        x, y = _batch("mlp", rank, 0)
+        (nn.functional.cross_entropy(net(x, rank == 1), y) / 2).backward()
+    for rank in range(2):
+        for name, param in net.named_parameters():
+            grad = out["hook"][rank][name]
+            assert grad.dtype == torch.float64 and torch.equal(grad, out["wrapper"][rank][name]), name
+            torch.testing.assert_close(grad, param.grad, rtol=2e-2, atol=2e-3, msg=name)  # bfloat16's digits
 
 
 def _overlap(rank: int, world: int) -> tuple[int, int]:

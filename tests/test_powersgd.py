@@ -190,7 +190,7 @@ def test_batched_powersgd_averages_each_bucket_as_one_square_matrix(world: int, 
         # torch's count: each bucket's length before, two sides by the rank after
         sides = [math.ceil(math.sqrt(sum(math.prod(s) for s in shapes))) for shapes in LAYOUT]
         assert (before, after) == ((STEPS - START) * sum(sum(math.prod(s) for s in shapes) for shapes in LAYOUT),
-                                   (STEPS - START) * sum(2 * side * options["matrix_approximation_rank"]
+                                   (STEPS - START) * sum(2 * side * min(side, options["matrix_approximation_rank"])
                                                          for side in sides))
 
 
@@ -209,14 +209,7 @@ def _train_ddp(rank: int, world: int, gloo_port: int, shoal_port: int) -> dict[s
     gloo and on backend "shoal" (torch's hook starts all-reduces in its futures' callbacks and waits there)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-    from shoal.parallel import (
-        DistributedDataParallel,
-        PowerSGDState,
-        allreduce_hook,
-        batched_powerSGD_hook,
-        bf16_compress_wrapper,
-        powerSGD_hook,
-    )
+    from shoal.parallel import DistributedDataParallel, PowerSGDState, batched_powerSGD_hook, powerSGD_hook
 
     gen = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)) for _ in range(8)]
@@ -238,13 +231,6 @@ def _train_ddp(rank: int, world: int, gloo_port: int, shoal_port: int) -> dict[s
         None, 2, start_powerSGD_iter=3, warm_start=False), powerSGD_hook)
     out["batched"] = train(DistributedDataParallel, PowerSGDState(None, 1, start_powerSGD_iter=3),
                            batched_powerSGD_hook)
-
-    def narrowing_hook(state: Any, bucket: Any) -> Any:  # as torch's wrappers do: answers in bfloat16
-        bucket.set_buffer(bucket.buffer().to(torch.bfloat16))
-        return allreduce_hook(state, bucket)
-
-    out["narrowed"] = train(DistributedDataParallel, None, narrowing_hook)
-    out["bf16 wrapper"] = train(DistributedDataParallel, None, bf16_compress_wrapper(allreduce_hook))
     for backend, port in (("gloo", gloo_port), ("shoal", shoal_port)):
         with _torch_group(rank, world, port, backend):
             out[f"torch on {backend}"] = train(nn.parallel.DistributedDataParallel, torch_powersgd.PowerSGDState(
@@ -261,9 +247,7 @@ def test_ddp_with_powersgd_trains_the_replicas_as_torch_s_ddp_does() -> None:
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
         for on_shoal, on_gloo in zip(out[rank]["torch on shoal"], out[rank]["torch on gloo"], strict=True):
             assert torch.equal(on_shoal, on_gloo)  # two ranks' sums: one rounding, in either library
-        for mine, wrapped in zip(out[rank]["narrowed"], out[rank]["bf16 wrapper"], strict=True):
-            assert mine.dtype == torch.float32 and torch.equal(mine, wrapped)  # the narrow answer lands as float32
-        for key in ("shoal", "two buckets", "batched", "bf16 wrapper"):
+        for key in ("shoal", "two buckets", "batched"):
             for mine, other in zip(out[rank][key], out[0][key], strict=True):
                 assert torch.equal(mine, other)  # the replicas stay equal
 

@@ -100,6 +100,9 @@ bf16_compress_hook = _compressed(torch.bfloat16)
 bf16_compress_hook.__doc__ = "Send gradients as bfloat16: half the bytes, float32's range, about 2 digits."
 
 
+_Hook = Callable[[Any, GradBucket], Any]  # answers something whose wait() gives the averaged flat gradient
+
+
 class _CastBack:
     """A wrapped hook's reduction in flight: `wait()` writes its answer, reduced in a narrower dtype, back into
     the bucket's own buffer."""
@@ -111,16 +114,13 @@ class _CastBack:
         return self._into.copy_(self._pending.wait())
 
 
-_Hook = Callable[[Any, GradBucket], Any]  # answers something whose wait() gives the averaged flat gradient
-
-
 def _compress_wrapper(dtype: torch.dtype) -> Callable[[_Hook], _Hook]:
-    def wrapper(hook: _Hook) -> _Hook:
+    def wrap(hook: _Hook) -> _Hook:
         def compressed_hook(state: Any, bucket: GradBucket) -> _CastBack:
             narrow = GradBucket(bucket._bucket, bucket.buffer().to(dtype), bucket.group, last=bucket.is_last())
             return _CastBack(hook(state, narrow), bucket.buffer())
         return compressed_hook
-    return wrapper
+    return wrap
 
 
 fp16_compress_wrapper = _compress_wrapper(torch.float16)

@@ -264,8 +264,11 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         def packed_results() -> list[torch.Tensor]:
             flat = pending.wait()
-            if self.gradient_as_bucket_view and flat.data_ptr() != bucket.buffer.data_ptr():
-                flat = bucket.buffer.copy_(flat)  # the hook answered elsewhere; .grad is to view the bucket
+            if flat.data_ptr() != bucket.buffer.data_ptr() and (self.gradient_as_bucket_view
+                                                                or flat.dtype != bucket.buffer.dtype):
+                # The hook answered elsewhere, where .grad is to view the bucket, or in another dtype (as
+                # torch's compress wrappers do): into the bucket, in the gradients' dtype.
+                flat = bucket.buffer.copy_(flat)
             return bucket.split(flat)
         return packed_results
 

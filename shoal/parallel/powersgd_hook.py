@@ -165,9 +165,10 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
 
 def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
     """PowerSGD of the bucket as one matrix, torch's batched_powerSGD_hook: the flat gradients, padded with
-    zeros to a square, sent as one pair of factors: two products a bucket however many layers it holds, but
-    far less accurate than `powerSGD_hook` unless `matrix_approximation_rank` is 1, as one layer's gradients
-    are approximated together with another's."""
+    zeros to a square, sent as one pair of factors: three products a bucket however many layers it holds,
+    but usually far less accurate than `powerSGD_hook`, as one layer's gradients are approximated together
+    with another's (torch advises rank 1). Unlike torch's, it honours `orthogonalization_epsilon`, and a rank
+    above the square's side is cut to it."""
     group = state.process_group if state.process_group is not None else bucket.group
     flat = bucket.buffer()
     if state.iter < state.start_powerSGD_iter:
@@ -176,7 +177,7 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> Pending:
     index, length = bucket.index(), flat.numel()
     side = math.ceil(math.sqrt(length))
     state.total_numel_before_compression += length
-    state.total_numel_after_compression += 2 * side * state.matrix_approximation_rank
+    state.total_numel_after_compression += 2 * side * min(side, state.matrix_approximation_rank)
     _report_stats(state, bucket)
     square = flat.new_zeros(side * side)
     square[:length] = flat
