@@ -177,12 +177,18 @@ def _used_by_one_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
 
 
-def test_a_rank_without_some_gradients_and_one_with_all_reduce_together() -> None:
-    out = run_ranks(_used_by_one_rank, 2)
+def _extra_head_on_rank_1() -> nn.Module:
+    """The model with one process's gradients of the two ranks' mean loss, the extra head used by rank 1 only."""
     net = _optional_model()
     for rank in range(2):
         x, y = _batch("mlp", rank, 0)
         (nn.functional.cross_entropy(net(x, rank == 1), y) / 2).backward()
+    return net
+
+
+def test_a_rank_without_some_gradients_and_one_with_all_reduce_together() -> None:
+    out = run_ranks(_used_by_one_rank, 2)
+    net = _extra_head_on_rank_1()
     for rank in range(2):
         for name, param in net.named_parameters():
             torch.testing.assert_close(out[rank][name], param.grad, rtol=1e-12, atol=1e-12, msg=name)
@@ -204,10 +210,7 @@ def _narrowed(rank: int, world: int, how: str) -> dict[str, torch.Tensor]:
 
 def test_a_hook_answering_in_another_dtype_gives_gradients_in_the_parameters() -> None:
     out = {how: run_ranks(_narrowed, 2, how) for how in ("hook", "wrapper")}
-    net = _optional_model()
-    for rank in range(2):
-        x, y = _batch("mlp", rank, 0)
-        (nn.functional.cross_entropy(net(x, rank == 1), y) / 2).backward()
+    net = _extra_head_on_rank_1()
     for rank in range(2):
         for name, param in net.named_parameters():
             grad = out["hook"][rank][name]
