@@ -25,7 +25,6 @@ _HANDSHAKE_TIMEOUT_S = 10.0
 # One connection attempt gives up after this and the next begins: a SYN lost while the network was down
 # is otherwise sent again only after 1, 3, 7... s, long after the network is back.
 _CONNECT_ATTEMPT_S = 1.0
-_SOCKET_BUFFER = 4 << 20
 _ADOPT_WAIT_S = 5.0  # a joiner's connection, accepted, is adopted by its handshake thread within this
 
 
@@ -202,5 +201,5 @@ def _configure(sock: socket.socket, stall_timeout: timedelta) -> None:
     seconds = stall_timeout.total_seconds()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+    # The buffers' sizes are left to the kernel, which grows them with the connection's rate and round trip:
+    # a size set here would switch that off and cap the connection at size / round trip.
