@@ -9,7 +9,12 @@ import secrets
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
+
+from tests.processes import reaped
 
 
 def _ip(*args: str) -> None:
@@ -63,12 +68,28 @@ class TwoHosts:
     def connect(self) -> None:
         for ns in self.namespaces:
             _ip("netns", "add", ns)
-        _ip("link", "add", self.devices[0], "netns", self.namespaces[0], "type", "veth",
-            "peer", "name", self.devices[1], "netns", self.namespaces[1])
-        for ns, dev, address in zip(self.namespaces, self.devices, self.addresses, strict=True):
+            _ip("-n", ns, "link", "set", "lo", "up")
+        self._lay_cable(self.devices, self.addresses)
+
+    def add_cable(self, addresses: tuple[str, str] = ("10.214.0.1", "10.214.0.2")) -> tuple[str, str]:
+        """Join the hosts by a second cable, a network of its own (as hosts with a fast network beside the one
+        they are reached by have); returns its two ends, host 0's first."""
+        devices = _names("sd")
+        self._lay_cable(devices, addresses)
+        return devices
+
+    def _lay_cable(self, devices: tuple[str, str], addresses: tuple[str, str]) -> None:
+        _ip("link", "add", devices[0], "netns", self.namespaces[0], "type", "veth",
+            "peer", "name", devices[1], "netns", self.namespaces[1])
+        for ns, dev, address in zip(self.namespaces, devices, addresses, strict=True):
             _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def sent(self, host: int, device: str) -> int:
+        """Bytes `host`'s end `device` of a cable has sent."""
+        return int(subprocess.run(["ip", "netns", "exec", self.namespaces[host], "cat",
+                                   f"/sys/class/net/{device}/statistics/tx_bytes"],
+                                  check=True, capture_output=True, timeout=10, text=True).stdout)
 
     def tear_down(self) -> None:
         """Delete both namespaces (each takes its end of the cable, and so the cable, with it)."""
@@ -80,6 +101,20 @@ class TwoHosts:
         """Run `python argv...` on `host`, its standard error to `stderr` (a file), in `cwd`."""
         return subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], sys.executable, *argv],
                                 env={**os.environ, **env}, stdout=stdout, stderr=stderr, cwd=cwd)
+
+    def run_ranks(self, hosts: list[int], argv: Callable[[int], list[str]], env: Callable[[int], dict[str, str]],
+                  workdir: Path, timeout: float) -> None:
+        """Run rank r as `python argv(r)` on host `hosts[r]` with `env(r)`, its standard error to workdir/stderr<r>;
+        wait for every rank, and fail naming a rank that did not end well, with the end of its standard error."""
+        procs: list[subprocess.Popen] = []
+        with ExitStack() as logs, reaped(procs):
+            for rank, host in enumerate(hosts):
+                stderr = logs.enter_context(open(workdir / f"stderr{rank}", "wb"))
+                procs.append(self.start(host, argv(rank), env(rank), stderr))
+            for p in procs:
+                p.wait(timeout=timeout)
+        for rank, p in enumerate(procs):
+            assert p.returncode == 0, (rank, p.returncode, (workdir / f"stderr{rank}").read_text()[-3000:])
 
     def link(self, state: str) -> None:
         """Take host 0's end of the cable "down" or bring it "up"."""

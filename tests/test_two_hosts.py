@@ -8,12 +8,9 @@ Needs root and `ip netns` (the `two_hosts` fixture); skips elsewhere."""
 from __future__ import annotations
 
 import json
-import subprocess
-from contextlib import ExitStack
 from pathlib import Path
 
 from tests.hosts import TwoHosts
-from tests.processes import reaped
 
 SCRIPT = Path(__file__).parent / "scripts" / "collectives_across_hosts.py"
 STORE_PORT = 29500  # each host is a namespace of its own: no other process can hold this port there
@@ -22,18 +19,11 @@ NUMEL = 4 << 20  # 16 MiB of float32
 
 def test_hierarchical_collectives_send_each_hosts_share_across_the_cable_once(
         two_hosts: TwoHosts, tmp_path: Path) -> None:
-    procs: list[subprocess.Popen] = []
-    with ExitStack() as logs, reaped(procs):
-        for rank in range(4):
-            host = rank // 2
-            argv = [str(SCRIPT), str(rank), "4", two_hosts.addresses[0], str(STORE_PORT), two_hosts.devices[host],
-                    str(NUMEL), str(tmp_path)]
-            env = {"SHOAL_SECRET": "two-hosts-test", "SHOAL_HOST_ID": f"host{host}"}
-            procs.append(two_hosts.start(host, argv, env, logs.enter_context(open(tmp_path / f"stderr{rank}", "wb"))))
-        for p in procs:
-            p.wait(timeout=120)
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, (rank, p.returncode, (tmp_path / f"stderr{rank}").read_text()[-3000:])
+    hosts = [0, 0, 1, 1]
+    two_hosts.run_ranks(
+        hosts, lambda rank: [str(SCRIPT), str(rank), "4", two_hosts.addresses[0], str(STORE_PORT),
+                             two_hosts.devices[hosts[rank]], str(NUMEL), str(tmp_path)],
+        lambda rank: {"SHOAL_SECRET": "two-hosts-test", "SHOAL_HOST_ID": f"host{hosts[rank]}"}, tmp_path, timeout=120)
     results = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(4)]
     assert all(all(r["right"].values()) and r["hosts"] == [[0, 1], [2, 3]] for r in results), results
     nbytes = NUMEL * 4
