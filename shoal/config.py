@@ -78,6 +78,13 @@ def _switch(text: str) -> bool:
     return text == "1"
 
 
+def _interface(text: str) -> str:
+    if len(text) > 15 or "/" in text or any(c.isspace() for c in text):
+        raise ValueError("expected a network interface's name (at most 15 characters, no '/' or space), "
+                         "as `ip link` lists")
+    return text
+
+
 def _host_id(text: str) -> str:
     if len(text) > 64 or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in text):
         raise ValueError("expected a name of at most 64 ASCII letters, digits, '-', '_' or '.'")
@@ -103,6 +110,10 @@ SHOAL_STREAMS = Variable[int](
     "SHOAL_STREAMS", 1, _streams,
     "TCP connections from each rank to each other rank of a process group; large frames go round them, for "
     "networks that cap each connection's rate (every rank must give the same number)")
+SHOAL_SOCKET_IFNAME = Variable[str | None](
+    "SHOAL_SOCKET_IFNAME", None, _interface,
+    "the network interface (eth1, ...) whose address ranks listen on, over the one that reaches the store: for "
+    "hosts whose fast network is another than the store's (gloo's GLOO_SOCKET_IFNAME)")
 SHOAL_HOST_ID = Variable[str | None](
     "SHOAL_HOST_ID", None, _host_id,
     "names the host this rank is on, over the boot id: ranks share memory only with those of the same name")

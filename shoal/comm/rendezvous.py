@@ -8,9 +8,11 @@ so the store outlives any worker. Otherwise rank 0 serves it."""
 from __future__ import annotations
 
 import collections
+import fcntl
 import os
 import secrets
 import socket
+import struct
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator
@@ -174,6 +176,32 @@ def store_host(store: tdist.Store) -> str:
     while isinstance(store, tdist.PrefixStore):
         store = store.underlying_store
     return store.host if isinstance(store, (tdist.TCPStore, ReplicatedStore)) else "127.0.0.1"
+
+
+def listen_address(store_host: str) -> str:
+    """The address a rank listens on and publishes to its peers: that of the interface SHOAL_SOCKET_IFNAME names,
+    else that of the interface that reaches the store, which its peers reach it by too."""
+    name = config.SHOAL_SOCKET_IFNAME.get()
+    return local_address_towards(store_host) if name is None else interface_address(name)
+
+
+_SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's IPv4 address
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name`; ValueError naming this host's interfaces where it has no
+    such interface, or naming the interface where it has no IPv4 address."""
+    names = [interface for _, interface in socket.if_nameindex()]
+    if name not in names:
+        raise ValueError(f"SHOAL_SOCKET_IFNAME={name!r}: this host has no network interface of that name "
+                         f"(it has {', '.join(names)})")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+        except OSError as exc:
+            raise ValueError(f"SHOAL_SOCKET_IFNAME={name!r}: the interface has no IPv4 address ({exc.strerror})") \
+                from None
+    return socket.inet_ntoa(answer[20:24])  # after the name (16 bytes), the address's family and port
 
 
 def local_address_towards(host: str) -> str:

@@ -1,14 +1,14 @@
 """How the members of a group bring up their mesh of authenticated links, the same way for process
-groups and RPC: each listens on the interface that reaches the store, publishes its address under the
-group's part of the store (with a card: what else its peers should know of it, such as an RPC name),
-reads everyone's, and then connects to every lower rank."""
+groups and RPC: each listens on the interface that reaches the store (or on SHOAL_SOCKET_IFNAME's),
+publishes its address under the group's part of the store (with a card: what else its peers should know
+of it, such as an RPC name), reads everyone's, and then connects to every lower rank."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any
 
-from shoal.comm.rendezvous import job_secret, local_address_towards
+from shoal.comm.rendezvous import job_secret, listen_address
 from shoal.comm.store import Store
 from shoal.comm.transport.mesh import Transport
 
@@ -17,10 +17,10 @@ def listen(store: Store, rank: int, world_size: int, *, toward: str, timeout: ti
            stall_timeout: timedelta, card: tuple[Any, ...] = (),
            open_membership: bool = False, streams: int = 1) -> tuple[Transport, list[list[Any]]]:
     """Our transport, listening and published, and every member's entry, [*card, host, port], in rank
-    order. `toward` is the store's host: the interface that reaches it is the one peers can reach.
+    order. `toward` is the store's host: the interface that reaches it is one peers can reach.
     With `open_membership`, ranks from `world_size` on may join later; `streams` connections join each
     pair (Transport). The transport is closed if any step fails."""
-    host = local_address_towards(toward)
+    host = listen_address(toward)
     secret, session = job_secret(store, rank, host, timeout)
     transport = Transport(rank, world_size, secret=secret, session=session, host=host, stall_timeout=stall_timeout,
                           open_membership=open_membership, streams=streams)
