@@ -79,8 +79,8 @@ def _switch(text: str) -> bool:
 
 
 def _interface(text: str) -> str:
-    if len(text) > 15 or "/" in text or any(c.isspace() for c in text):
-        raise ValueError("expected a network interface's name (at most 15 characters, no '/' or space), "
+    if len(os.fsencode(text)) > 15 or any(c in "/:" or c.isspace() for c in text):
+        raise ValueError("expected a network interface's name (at most 15 bytes, no '/', ':' or space), "
                          "as `ip link` lists")
     return text
 
@@ -113,7 +113,7 @@ SHOAL_STREAMS = Variable[int](
 SHOAL_SOCKET_IFNAME = Variable[str | None](
     "SHOAL_SOCKET_IFNAME", None, _interface,
     "the network interface (eth1, ...) whose address ranks listen on, over the one that reaches the store: for "
-    "hosts whose fast network is another than the store's (gloo's GLOO_SOCKET_IFNAME)")
+    "hosts whose fast network is other than the store's (gloo's GLOO_SOCKET_IFNAME)")
 SHOAL_HOST_ID = Variable[str | None](
     "SHOAL_HOST_ID", None, _host_id,
     "names the host this rank is on, over the boot id: ranks share memory only with those of the same name")

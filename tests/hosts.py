@@ -9,6 +9,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -105,16 +106,23 @@ class TwoHosts:
     def run_ranks(self, hosts: list[int], argv: Callable[[int], list[str]], env: Callable[[int], dict[str, str]],
                   workdir: Path, timeout: float) -> None:
         """Run rank r as `python argv(r)` on host `hosts[r]` with `env(r)`, its standard error to workdir/stderr<r>;
-        wait for every rank, and fail naming a rank that did not end well, with the end of its standard error."""
+        wait up to `timeout` seconds for them all, and fail naming every rank that did not end well (killed if
+        still running), each with the end of its standard error."""
         procs: list[subprocess.Popen] = []
-        with ExitStack() as logs, reaped(procs):
+        deadline, overdue = time.monotonic() + timeout, set()
+        with ExitStack() as logs, reaped(procs):  # kills the overdue
             for rank, host in enumerate(hosts):
                 stderr = logs.enter_context(open(workdir / f"stderr{rank}", "wb"))
                 procs.append(self.start(host, argv(rank), env(rank), stderr))
-            for p in procs:
-                p.wait(timeout=timeout)
-        for rank, p in enumerate(procs):
-            assert p.returncode == 0, (rank, p.returncode, (workdir / f"stderr{rank}").read_text()[-3000:])
+            for rank, p in enumerate(procs):
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    overdue.add(rank)
+        failed = {rank: (f"still running after {timeout:g} s" if rank in overdue else f"exit status {p.returncode}",
+                         (workdir / f"stderr{rank}").read_text()[-3000:])
+                  for rank, p in enumerate(procs) if rank in overdue or p.returncode != 0}
+        assert not failed, failed
 
     def link(self, state: str) -> None:
         """Take host 0's end of the cable "down" or bring it "up"."""

@@ -66,7 +66,7 @@ def test_an_unset_or_empty_variable_has_its_default(monkeypatch: pytest.MonkeyPa
     (config.SHOAL_HOST_ID, "rack/1", "SHOAL_HOST_ID='rack/1': expected a name of at most 64 ASCII letters, "
                                      "digits, '-', '_' or '.'"),
     (config.SHOAL_SOCKET_IFNAME, "eth 1", "SHOAL_SOCKET_IFNAME='eth 1': expected a network interface's name \\(at "
-                                          "most 15 characters, no '/' or space\\), as `ip link` lists"),
+                                          "most 15 bytes, no '/', ':' or space\\), as `ip link` lists"),
 ])
 def test_a_bad_value_is_named_with_what_was_expected(monkeypatch: pytest.MonkeyPatch, variable: config.Variable,
                                                      text: str, expected: str) -> None:

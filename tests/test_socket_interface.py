@@ -21,17 +21,27 @@ STORE_PORT = 29500  # each host is a namespace of its own: no other process can 
 NUMEL = 4 << 20  # 16 MiB of float32
 
 
-def test_the_named_interface_gives_the_address_to_listen_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_named_interface_gives_its_address() -> None:
     assert interface_address("lo") == "127.0.0.1"
+
+
+def test_a_loopback_interface_is_refused_for_a_store_on_another_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHOAL_SOCKET_IFNAME", "lo")
-    assert listen_address("192.0.2.1") == "127.0.0.1"  # not the interface that would reach the store
+    with pytest.raises(ValueError, match="SHOAL_SOCKET_IFNAME='lo' is a loopback interface, which ranks on other "
+                                         "hosts cannot reach"):
+        listen_address("192.0.2.1")
+
+
+def test_ranks_of_a_store_on_loopback_stay_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHOAL_SOCKET_IFNAME", "nosuch0")  # set for a whole cluster, say; this job is on one host
+    assert listen_address("127.0.0.1") == "127.0.0.1"
 
 
 def test_an_interface_this_host_lacks_is_named_with_those_it_has(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHOAL_SOCKET_IFNAME", "nosuch0")
     with pytest.raises(ValueError, match=r"SHOAL_SOCKET_IFNAME='nosuch0': this host has no network interface of "
                                          r"that name \(it has lo\b"):
-        listen_address("127.0.0.1")
+        listen_address("192.0.2.1")
 
 
 def test_collectives_cross_the_cable_of_the_named_interface(two_hosts: TwoHosts, tmp_path: Path) -> None:
@@ -54,8 +64,8 @@ def test_collectives_cross_the_cable_of_the_named_interface(two_hosts: TwoHosts,
 
 
 def test_an_interface_without_an_ipv4_address_is_named(two_hosts: TwoHosts) -> None:
-    subprocess.run(["ip", "-n", two_hosts.namespaces[0], "link", "add", "bare0", "type", "dummy"], check=True,
-                   capture_output=True, timeout=10)
+    subprocess.run(["ip", "-n", two_hosts.namespaces[0], "link", "add", "bare0", "type", "veth", "peer", "name",
+                    "bare1"], check=True, capture_output=True, timeout=10)
     probe = ("from shoal.comm.rendezvous import interface_address\n"
              "try:\n    interface_address('bare0')\nexcept ValueError as exc:\n    print(exc)\n")
     answer = subprocess.run(["ip", "netns", "exec", two_hosts.namespaces[0], sys.executable, "-c", probe],

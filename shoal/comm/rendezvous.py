@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator
@@ -171,8 +172,8 @@ def join_store(base: Store, key: Hashable | None, rank: int, world_size: int, ti
 
 
 def store_host(store: tdist.Store) -> str:
-    """The host of the TCPStore under torch's prefixes: the interface that reaches it is the one peers can
-    reach (loopback for a store in files or in memory)."""
+    """The host of the TCPStore under torch's prefixes, toward which ranks listen (`listen_address`; loopback
+    for a store in files or in memory)."""
     while isinstance(store, tdist.PrefixStore):
         store = store.underlying_store
     return store.host if isinstance(store, (tdist.TCPStore, ReplicatedStore)) else "127.0.0.1"
@@ -180,24 +181,36 @@ def store_host(store: tdist.Store) -> str:
 
 def listen_address(store_host: str) -> str:
     """The address a rank listens on and publishes to its peers: that of the interface SHOAL_SOCKET_IFNAME names,
-    else that of the interface that reaches the store, which its peers reach it by too."""
+    else that of the interface that reaches the store, which its peers reach it by too. A store on loopback
+    means every rank is on this host: they stay on loopback, whatever the variable says (it may be set for a
+    whole cluster)."""
     name = config.SHOAL_SOCKET_IFNAME.get()
-    return local_address_towards(store_host) if name is None else interface_address(name)
+    if name is None or is_loopback(store_host):
+        return local_address_towards(store_host)
+    address = interface_address(name)
+    if is_loopback(address):
+        raise ValueError(f"SHOAL_SOCKET_IFNAME={name!r} is a loopback interface, which ranks on other hosts "
+                         f"cannot reach (the store is at {store_host})")
+    return address
 
 
 _SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's IPv4 address
+_LISTED_INTERFACES = 20  # a container host may have hundreds (a veth per container)
 
 
 def interface_address(name: str) -> str:
     """The IPv4 address of network interface `name`; ValueError naming this host's interfaces where it has no
     such interface, or naming the interface where it has no IPv4 address."""
+    if not sys.platform.startswith("linux"):
+        raise ValueError(f"SHOAL_SOCKET_IFNAME={name!r}: naming an interface works on Linux only")
     names = [interface for _, interface in socket.if_nameindex()]
     if name not in names:
-        raise ValueError(f"SHOAL_SOCKET_IFNAME={name!r}: this host has no network interface of that name "
-                         f"(it has {', '.join(names)})")
+        listed = ", ".join(names[:_LISTED_INTERFACES]) + (", ..." if len(names) > _LISTED_INTERFACES else "")
+        raise ValueError(f"SHOAL_SOCKET_IFNAME={name!r}: this host has no network interface of that name (it has "
+                         f"{listed}; one name, exactly)")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
-            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+            answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", os.fsencode(name)))
         except OSError as exc:
             raise ValueError(f"SHOAL_SOCKET_IFNAME={name!r}: the interface has no IPv4 address ({exc.strerror})") \
                 from None

@@ -17,7 +17,7 @@ def listen(store: Store, rank: int, world_size: int, *, toward: str, timeout: ti
            stall_timeout: timedelta, card: tuple[Any, ...] = (),
            open_membership: bool = False, streams: int = 1) -> tuple[Transport, list[list[Any]]]:
     """Our transport, listening and published, and every member's entry, [*card, host, port], in rank
-    order. `toward` is the store's host: the interface that reaches it is one peers can reach.
+    order. `toward` is the store's host, toward which we listen (rendezvous.listen_address).
     With `open_membership`, ranks from `world_size` on may join later; `streams` connections join each
     pair (Transport). The transport is closed if any step fails."""
     host = listen_address(toward)

@@ -92,8 +92,11 @@ class Connecting:
         error: OSError | None = None
         for _ in attempts(deadline):  # the peer's listener may not be up yet, or the network may be down
             try:
+                # From our listener's address: the peer takes the connection's source for ours, and probes it
+                # while it waits for us to dial again (healing.py), which another interface's would fail.
                 sock = socket.create_connection(address, timeout=min(_CONNECT_ATTEMPT_S,
-                                                                     max(0.1, deadline - time.monotonic())))
+                                                                     max(0.1, deadline - time.monotonic())),
+                                                source_address=(self.address[0], 0))
                 try:
                     sock.settimeout(min(_HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
                     auth.client_handshake(sock, self._secret, self._session, my_rank=self.rank, peer_rank=peer)
