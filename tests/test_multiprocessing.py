@@ -244,10 +244,12 @@ def _send_many(index: int, out: mp.Queue, warmed, received, leftover: mp.Queue, 
     for k in range(count):
         out.put(torch.full((16,), float(k)))
     assert received.wait(_DEADLINE_S)
-    # The last descriptor handed over is closed by multiprocessing's sharer thread just after the hand-over.
-    # What is left after the wait is reported either way: the test names it.
+    # multiprocessing's sharer thread closes the descriptors of a hand-over (the tensor's, the connection) just
+    # after the receiver has the tensor: the last tensor's may still be open here, and the warm-up's may still
+    # have been open when the baseline was taken, so fewer than at the baseline is no leak. What is left after
+    # the wait is reported either way: the test names it.
     with contextlib.suppress(TimeoutError):
-        wait_until(lambda: _fds() == baseline, "the sender's open descriptors are back to their baseline", timeout=5)
+        wait_until(lambda: _fds() <= baseline, "the sender's open descriptors are back to their baseline", timeout=5)
     leftover.put(_fds() - baseline)
 
 
@@ -265,7 +267,7 @@ def test_open_descriptors_return_to_their_baseline_after_10000_tensors(contexts)
         total += out.get(timeout=_DEADLINE_S)[0].item()
     received.set()
     assert total == sum(range(count))
-    assert leftover.get(timeout=_DEADLINE_S) == 0, "descriptors left open in the sender"
+    assert leftover.get(timeout=_DEADLINE_S) <= 0, "descriptors left open in the sender"
     assert _fds() == baseline, "descriptors left open in the receiver"
     _join(context)
 
