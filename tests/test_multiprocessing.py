@@ -237,20 +237,33 @@ def test_a_non_leaf_that_requires_grad_is_refused_by_name() -> None:
         ForkingPickler.dumps(torch.ones(2, requires_grad=True) * 2)
 
 
+def _descriptors() -> set[tuple[int, int, int]]:
+    """This process's open descriptors, each by number and the identity of what it refers to."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            status = os.stat(f"/proc/self/fd/{fd}")
+            found.add((int(fd), status.st_dev, status.st_ino))
+    return found
+
+
 def _send_many(index: int, out: mp.Queue, warmed, received, leftover: mp.Queue, count: int) -> None:
     out.put(torch.zeros(16))
     assert warmed.wait(_DEADLINE_S)
-    baseline = _fds()
+    baseline = _descriptors()
     for k in range(count):
         out.put(torch.full((16,), float(k)))
     assert received.wait(_DEADLINE_S)
     # multiprocessing's sharer thread closes the descriptors of a hand-over (the tensor's, the connection) just
-    # after the receiver has the tensor: the last tensor's may still be open here, and the warm-up's may still
-    # have been open when the baseline was taken, so fewer than at the baseline is no leak. What is left after
-    # the wait is reported either way: the test names it.
+    # after the receiver has the tensor: the warm-up's may still have been open at the baseline, and the last
+    # tensor's may still be open here. So a leak is a descriptor open now that was not open at the baseline,
+    # told apart by what it refers to, not by its number, which the kernel reuses.
+    def opened_since() -> set[tuple[int, int, int]]:
+        return _descriptors() - baseline
+
     with contextlib.suppress(TimeoutError):
-        wait_until(lambda: _fds() <= baseline, "the sender's open descriptors are back to their baseline", timeout=5)
-    leftover.put(_fds() - baseline)
+        wait_until(lambda: not opened_since(), "the sender has closed what it opened since its baseline", timeout=5)
+    leftover.put(len(opened_since()))
 
 
 def test_open_descriptors_return_to_their_baseline_after_10000_tensors(contexts) -> None:
@@ -267,7 +280,7 @@ def test_open_descriptors_return_to_their_baseline_after_10000_tensors(contexts)
         total += out.get(timeout=_DEADLINE_S)[0].item()
     received.set()
     assert total == sum(range(count))
-    assert leftover.get(timeout=_DEADLINE_S) <= 0, "descriptors left open in the sender"
+    assert leftover.get(timeout=_DEADLINE_S) == 0, "descriptors left open in the sender"
     assert _fds() == baseline, "descriptors left open in the receiver"
     _join(context)
 
