@@ -5,6 +5,7 @@
     shoal bench hosts --markdown docs/x.md # also a markdown table
     shoal bench hosts --collectives broadcast --sizes 64KiB 256KiB --links unlimited --ranks-per-host 1
     shoal bench hosts --links 1gbit --per-flow 250mbit --streams 1 4  # a cloud's cap on each TCP connection
+    shoal bench hosts --links 1gbit --cables 2 --quick  # two networks between the hosts, both used
 
 The hosts are network namespaces joined by a veth pair (tests/hosts.py), the link's rate a tbf qdisc
 on both ends; needs root, and says why and stops where it cannot build them. Ranks of one host share
@@ -16,6 +17,9 @@ a reduce-scatter S/2 of its input), divided by the measured time.
 With `--per-flow RATE`, each TCP connection across the link gets RATE at most (an htb class per connection,
 chosen by its port), as clouds cap each flow, and the link as a whole its `--links` rate; `--streams N`
 runs shoal with N connections per pair of ranks (SHOAL_STREAMS).
+
+With `--cables N`, N cables join the hosts, each a network of its own at the `--links` rate; shoal and gloo
+are given them all (SHOAL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME), and "of link" is against their rates together.
 """
 
 from __future__ import annotations
@@ -86,17 +90,19 @@ def _worker(rank: int, world: int, address: str, collectives: list[str], sizes: 
         Path(out).write_text(json.dumps({"rows": rows, "hosts": hosts}))
 
 
-def shape_link(hosts: TwoHosts, rate: float | None, per_flow: float | None = None, burst: str = "1mb") -> None:
-    """Give both ends of the cable `rate` bits per second, or take any limit away; with `per_flow`, each TCP
-    connection across it that many at most. `burst` is what the link may send at once above its rate, after
-    a quiet while."""
-    for host, (ns, dev) in enumerate(zip(hosts.namespaces, hosts.devices, strict=True)):
-        subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=10)
-        if per_flow is not None:
-            _shape_flows(ns, dev, rate or _UNLIMITED, per_flow, "dport" if host == 0 else "sport")
-        elif rate is not None:
-            _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit", "burst", burst,
-                "latency", "50ms")
+def shape_link(hosts: TwoHosts, rate: float | None, per_flow: float | None = None, burst: str = "1mb",
+               cables: list[tuple[str, str]] | None = None) -> None:
+    """Give both ends of the cable (or of each of `cables`) `rate` bits per second, or take any limit away; with
+    `per_flow`, each TCP connection across it that many at most. `burst` is what the link may send at once
+    above its rate, after a quiet while."""
+    for devices in cables or [hosts.devices]:
+        for host, (ns, dev) in enumerate(zip(hosts.namespaces, devices, strict=True)):
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=10)
+            if per_flow is not None:
+                _shape_flows(ns, dev, rate or _UNLIMITED, per_flow, "dport" if host == 0 else "sport")
+            elif rate is not None:
+                _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate)}bit", "burst", burst,
+                    "latency", "50ms")
 
 
 _UNLIMITED = 100e9  # the parent class of a per-flow shaping whose link has no rate of its own
@@ -129,16 +135,17 @@ def _tc(ns: str, *args: str) -> None:
 
 
 def _run(hosts: TwoHosts, per_host: int, collectives: list[str], sizes: list[str], repeats: int,
-         streams: int) -> dict:
-    """Run 2 x `per_host` ranks, rank r on host r // per_host; rank 0's results."""
+         streams: int, cables: list[tuple[str, str]]) -> dict:
+    """Run 2 x `per_host` ranks, rank r on host r // per_host, across `cables`; rank 0's results."""
     return run_across(hosts, per_host, __file__, [",".join(collectives), ",".join(sizes), str(repeats)],
-                      {"SHOAL_STREAMS": str(streams)})
+                      {"SHOAL_STREAMS": str(streams)}, cables)
 
 
 def run_across(hosts: TwoHosts, per_host: int, script: str, args: list[str],
-               settings: dict[str, str] | None = None) -> dict:
+               settings: dict[str, str] | None = None, cables: list[tuple[str, str]] | None = None) -> dict:
     """Run `script --worker RANK WORLD ADDRESS *args OUT` as 2 x `per_host` ranks, rank r on host r // per_host,
-    with `settings` in their environment, and return the JSON that rank 0 writes to OUT."""
+    with `settings` in their environment, and return the JSON that rank 0 writes to OUT. gloo talks over the
+    hosts' cable, or over each of `cables`; so does shoal where there are several (SHOAL_SOCKET_IFNAME)."""
     world = 2 * per_host
     with tempfile.TemporaryDirectory(prefix="shoal-bench-hosts-") as workdir:
         out = str(Path(workdir) / "result.json")
@@ -146,9 +153,10 @@ def run_across(hosts: TwoHosts, per_host: int, script: str, args: list[str],
         with ExitStack() as logs, reaped(procs):
             for rank in range(world):
                 host = rank // per_host
-                env = {"SHOAL_SECRET": "bench-hosts", "SHOAL_HOST_ID": f"host{host}",
-                       "GLOO_SOCKET_IFNAME": hosts.devices[host], "PYTHONPATH": str(Path(__file__).parents[1]),
-                       **(settings or {})}
+                interfaces = ",".join(devices[host] for devices in cables or [hosts.devices])
+                env = {"SHOAL_SECRET": "bench-hosts", "SHOAL_HOST_ID": f"host{host}", "GLOO_SOCKET_IFNAME": interfaces,
+                       **({"SHOAL_SOCKET_IFNAME": interfaces} if cables and len(cables) > 1 else {}),
+                       "PYTHONPATH": str(Path(__file__).parents[1]), **(settings or {})}
                 argv = [script, "--worker", str(rank), str(world), hosts.addresses[0], *args, out]
                 stderr = logs.enter_context(open(Path(workdir) / f"stderr{rank}", "wb"))
                 procs.append(hosts.start(host, argv, env, stderr))
@@ -162,14 +170,15 @@ def run_across(hosts: TwoHosts, per_host: int, script: str, args: list[str],
         return json.loads(Path(out).read_text())
 
 
-def _rows(per_host: int, rate_label: str, streams: int, result: dict) -> list[list[str]]:
+def _rows(per_host: int, rate_label: str, cables: int, streams: int, result: dict) -> list[list[str]]:
     rate = RATES[rate_label]
     table = []
     for row in result["rows"]:
-        limit = None if rate is None else _SHARE_ACROSS[row["collective"]] * row["nbytes"] * 8 / rate
+        limit = None if rate is None else _SHARE_ACROSS[row["collective"]] * row["nbytes"] * 8 / (rate * cables)
         share = "-" if limit is None else f"{limit / row['shoal']:.0%}"
         gloo_share = "-" if limit is None else f"{limit / row['gloo']:.0%}"
-        table.append([f"2 x {per_host}", rate_label, str(streams), row["collective"], row["size"],
+        link = rate_label if cables == 1 else f"{cables} x {rate_label}"
+        table.append([f"2 x {per_host}", link, str(max(streams, cables)), row["collective"], row["size"],
                       _ms(row["shoal"]), _ms(row["gloo"]), f"{row['gloo'] / row['shoal']:.2f}x", share, gloo_share])
     return table
 
@@ -191,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-flow", type=_bits, help="cap each TCP connection across the link at this rate "
                         "(e.g. 250mbit), under the link's")
     parser.add_argument("--streams", type=int, nargs="+", default=[1], help="SHOAL_STREAMS values to run shoal with")
+    parser.add_argument("--cables", type=int, default=1, choices=range(1, 5), help="cables between the hosts, "
+                        "each at the --links rate, all given to shoal and gloo")
     parser.add_argument("--collectives", nargs="+", choices=list(COLLECTIVES), help="all four unless --quick")
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), help=f"{' '.join(DEFAULT_SIZES)} unless --quick")
     parser.add_argument("--markdown", type=Path, help="also write the table here")
@@ -210,13 +221,15 @@ def main(argv: list[str] | None = None) -> None:
     table = []
     hosts = TwoHosts.build()
     try:
+        cables = [hosts.devices] + [hosts.add_cable((f"10.{213 + k}.0.1", f"10.{213 + k}.0.2"))
+                                    for k in range(1, args.cables)]
         for rate_label in args.links:
-            shape_link(hosts, RATES[rate_label], args.per_flow)
+            shape_link(hosts, RATES[rate_label], args.per_flow, cables=cables)
             for per_host in args.ranks_per_host:
                 for streams in args.streams:
-                    result = _run(hosts, per_host, collectives, sizes, repeats, streams)
+                    result = _run(hosts, per_host, collectives, sizes, repeats, streams, cables)
                     assert len(result["hosts"]) == 2, f"the ranks did not see two hosts: {result['hosts']}"
-                    for line in _rows(per_host, rate_label, streams, result):
+                    for line in _rows(per_host, rate_label, len(cables), streams, result):
                         print("  ".join(line), flush=True)
                         table.append(line)
     finally:

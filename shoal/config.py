@@ -78,11 +78,14 @@ def _switch(text: str) -> bool:
     return text == "1"
 
 
-def _interface(text: str) -> str:
-    if len(os.fsencode(text)) > 15 or any(c in "/:" or c.isspace() for c in text):
-        raise ValueError("expected a network interface's name (at most 15 bytes, no '/', ':' or space), "
-                         "as `ip link` lists")
-    return text
+def _interfaces(text: str) -> tuple[str, ...]:
+    names = tuple(text.split(","))
+    if any(not name or len(os.fsencode(name)) > 15 or any(c in "/:" or c.isspace() for c in name) for name in names):
+        raise ValueError("expected network interfaces' names (each at most 15 bytes, no '/', ':' or space), "
+                         "as `ip link` lists them, separated by commas")
+    if len(set(names)) < len(names):
+        raise ValueError("expected each interface once")
+    return names
 
 
 def _host_id(text: str) -> str:
@@ -110,10 +113,11 @@ SHOAL_STREAMS = Variable[int](
     "SHOAL_STREAMS", 1, _streams,
     "TCP connections from each rank to each other rank of a process group; large frames go round them, for "
     "networks that cap each connection's rate (every rank must give the same number)")
-SHOAL_SOCKET_IFNAME = Variable[str | None](
-    "SHOAL_SOCKET_IFNAME", None, _interface,
+SHOAL_SOCKET_IFNAME = Variable[tuple[str, ...] | None](
+    "SHOAL_SOCKET_IFNAME", None, _interfaces,
     "the network interface (eth1, ...) whose address ranks listen on, over the one that reaches the store: for "
-    "hosts whose fast network is other than the store's (gloo's GLOO_SOCKET_IFNAME)")
+    "hosts whose fast network is other than the store's (gloo's GLOO_SOCKET_IFNAME); several, separated by "
+    "commas (eth1,eth2), carry a pair's connections in turn, at least one each")
 SHOAL_HOST_ID = Variable[str | None](
     "SHOAL_HOST_ID", None, _host_id,
     "names the host this rank is on, over the boot id: ranks share memory only with those of the same name")

@@ -124,16 +124,16 @@ class TwoHosts:
                   for rank, p in enumerate(procs) if rank in overdue or p.returncode != 0}
         assert not failed, failed
 
-    def link(self, state: str) -> None:
-        """Take host 0's end of the cable "down" or bring it "up"."""
-        _ip("-n", self.namespaces[0], "link", "set", self.devices[0], state)
+    def link(self, state: str, device: str | None = None) -> None:
+        """Take host 0's end of the cable (or its end `device` of another) "down" or bring it "up"."""
+        _ip("-n", self.namespaces[0], "link", "set", device or self.devices[0], state)
 
-    def reset_connections(self, host: int, spare_port: int) -> int:
-        """Abort every TCP connection `host` has to the other host except those on `spare_port`, as a
-        failing network device would (the reset reaches the other side only while the link is up);
-        returns how many there were."""
+    def reset_connections(self, host: int, spare_port: int, to: str | None = None) -> int:
+        """Abort every TCP connection `host` has to the other host (to its address `to`, else to its address on
+        the first cable) except those on `spare_port`, as a failing network device would (the reset reaches the
+        other side only while the link is up); returns how many there were."""
         listing = subprocess.run(["ip", "netns", "exec", self.namespaces[host], "ss", "-K", "-H", "-t", "dst",
-                                  self.addresses[1 - host], "and", "not", "sport", "=", f":{spare_port}", "and",
+                                  to or self.addresses[1 - host], "and", "not", "sport", "=", f":{spare_port}", "and",
                                   "not", "dport", "=", f":{spare_port}"],
                                  check=True, capture_output=True, timeout=10, text=True)
         return len(listing.stdout.splitlines())

@@ -65,8 +65,13 @@ def test_an_unset_or_empty_variable_has_its_default(monkeypatch: pytest.MonkeyPa
     (config.RANK, "first", "RANK='first': expected a whole number, 0 or more"),
     (config.SHOAL_HOST_ID, "rack/1", "SHOAL_HOST_ID='rack/1': expected a name of at most 64 ASCII letters, "
                                      "digits, '-', '_' or '.'"),
-    (config.SHOAL_SOCKET_IFNAME, "eth 1", "SHOAL_SOCKET_IFNAME='eth 1': expected a network interface's name \\(at "
-                                          "most 15 bytes, no '/', ':' or space\\), as `ip link` lists"),
+    (config.SHOAL_SOCKET_IFNAME, "eth 1", "SHOAL_SOCKET_IFNAME='eth 1': expected network interfaces' names \\(each "
+                                          "at most 15 bytes, no '/', ':' or space\\), as `ip link` lists them, "
+                                          "separated by commas"),
+    (config.SHOAL_SOCKET_IFNAME, "eth1,", "SHOAL_SOCKET_IFNAME='eth1,': expected network interfaces' names \\(each "
+                                          "at most 15 bytes, no '/', ':' or space\\), as `ip link` lists them, "
+                                          "separated by commas"),
+    (config.SHOAL_SOCKET_IFNAME, "eth1,eth1", "SHOAL_SOCKET_IFNAME='eth1,eth1': expected each interface once"),
 ])
 def test_a_bad_value_is_named_with_what_was_expected(monkeypatch: pytest.MonkeyPatch, variable: config.Variable,
                                                      text: str, expected: str) -> None:
@@ -80,7 +85,7 @@ def test_a_transport_refuses_a_bad_heal_timeout(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setenv("SHOAL_HEAL_TIMEOUT", "0")
     with pytest.raises(ValueError, match="SHOAL_HEAL_TIMEOUT='0': expected a positive number of seconds"):
-        Transport(0, 1, secret=b"s", session=b"t", host="127.0.0.1", stall_timeout=timedelta(seconds=5))
+        Transport(0, 1, secret=b"s", session=b"t", hosts=["127.0.0.1"], stall_timeout=timedelta(seconds=5))
 
 
 def test_a_transport_refuses_a_bad_host_name_before_any_link_starts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,4 +93,4 @@ def test_a_transport_refuses_a_bad_host_name_before_any_link_starts(monkeypatch:
 
     monkeypatch.setenv("SHOAL_HOST_ID", "h\u00f6st")
     with pytest.raises(ValueError, match="SHOAL_HOST_ID='h\u00f6st': expected a name of at most 64 ASCII"):
-        Transport(0, 1, secret=b"s", session=b"t", host="127.0.0.1", stall_timeout=timedelta(seconds=5))
+        Transport(0, 1, secret=b"s", session=b"t", hosts=["127.0.0.1"], stall_timeout=timedelta(seconds=5))

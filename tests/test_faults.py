@@ -145,7 +145,7 @@ def test_a_forged_proof_is_refused_before_any_byte_after_it_is_read() -> None:
 
 def test_a_forger_claiming_a_rank_first_does_not_take_its_place() -> None:
     secret, session = b"the secret", b"session"
-    t0, t1 = (Transport(rank, 2, secret=secret, session=session, host="127.0.0.1",
+    t0, t1 = (Transport(rank, 2, secret=secret, session=session, hosts=["127.0.0.1"],
                         stall_timeout=timedelta(seconds=10)) for rank in range(2))
     try:
         with socket.create_connection(t0.address, timeout=10) as forger:  # before rank 1 dials

@@ -1,6 +1,7 @@
 """Two ranks on two hosts (network namespaces joined by a veth pair) while the link between them goes
 down: a short outage, even one that resets the connection, heals and every all-reduce comes out right;
 an outage longer than the heal and heartbeat deadlines ends in PeerFailure on both sides, not a hang.
+With two cables, both named by SHOAL_SOCKET_IFNAME, the connection on the second heals on it.
 
 Needs root and `ip netns` (the `two_hosts` fixture); skips elsewhere."""
 
@@ -38,26 +39,32 @@ def _or_a_rank_ends(condition: Callable[[], bool], ranks: list[subprocess.Popen]
 
 
 def _run_outage(hosts: TwoHosts, workdir: Path, *, down_s: float, reset: int | None,
-                env: dict[str, str]) -> tuple[int, list[dict]]:
+                env: dict[str, str], second: tuple[str, str] | None = None) -> tuple[int, list[dict], int]:
     """Run rank r on host r, take the link down for `down_s` once they are under way (resetting host
-    `reset`'s connections meanwhile), and let them finish. Returns (rounds before the outage, results)."""
+    `reset`'s connections meanwhile), and let them finish. With `second`, a second cable's ends, the ranks
+    talk over both cables and the outage is the second's. Returns (rounds before the outage, results, bytes
+    host 0 sent over the second cable after the outage)."""
     env = {"SHOAL_SECRET": "link-outage-test", "SHOAL_SHM": "0", **env}  # hosts share no memory
     logs = [open(workdir / f"stderr{rank}", "wb") for rank in (0, 1)]  # closed below
-    ranks = [hosts.start(rank, [str(SCRIPT), str(rank), hosts.addresses[0], str(STORE_PORT), str(workdir)], env,
+    ranks = [hosts.start(rank, [str(SCRIPT), str(rank), hosts.addresses[0], str(STORE_PORT), str(workdir)],
+                         {**env, "SHOAL_SOCKET_IFNAME": f"{hosts.devices[rank]},{second[rank]}"} if second else env,
                          logs[rank]) for rank in (0, 1)]
     try:
         wait_until(_or_a_rank_ends(lambda: _progress(workdir) >= 3, ranks),
                    "both ranks have finished three rounds before the outage, or one has ended", timeout=60,
                    interval=0.05)
         before = _progress(workdir)
-        hosts.link("down")
+        hosts.link("down", second and second[0])
         if reset is not None:  # the rendezvous store's connection is spared: it is not shoal's transport
-            assert hosts.reset_connections(reset, spare_port=STORE_PORT) >= 1, "no connection to reset"
+            peer = second and _SECOND_ADDRESSES[1 - reset]
+            assert hosts.reset_connections(reset, spare_port=STORE_PORT, to=peer) >= 1, "no connection to reset"
         time.sleep(down_s)
-        hosts.link("up")
+        hosts.link("up", second and second[0])
+        second_before = hosts.sent(0, second[0]) if second else 0
         wait_until(_or_a_rank_ends(lambda: _progress(workdir) >= before + 5, ranks),
                    "both ranks have finished five rounds after the outage, or one has ended", timeout=60,
                    interval=0.05)
+        second_after = hosts.sent(0, second[0]) - second_before if second else 0
         (workdir / "stop").touch()
         for p in ranks:
             p.wait(timeout=60)
@@ -70,21 +77,37 @@ def _run_outage(hosts: TwoHosts, workdir: Path, *, down_s: float, reset: int | N
             log.close()
     for rank, p in enumerate(ranks):
         assert p.returncode == 0, (rank, p.returncode, (workdir / f"stderr{rank}").read_text()[-3000:])
-    return before, [json.loads((workdir / f"result{r}.json").read_text()) for r in (0, 1)]
+    return before, [json.loads((workdir / f"result{r}.json").read_text()) for r in (0, 1)], second_after
 
 
 @pytest.mark.parametrize("reset", [None, 0, 1], ids=["no-reset", "reset-on-the-listening-side",
                                                      "reset-on-the-dialling-side"])
 def test_a_one_second_outage_heals(two_hosts: TwoHosts, tmp_path: Path, reset: int | None) -> None:
     # Heartbeats are not what this test is about: give the heal room on a busy machine.
-    before, results = _run_outage(two_hosts, tmp_path, down_s=1.0, reset=reset, env={"SHOAL_HEARTBEAT_TIMEOUT": "10"})
+    before, results, _ = _run_outage(two_hosts, tmp_path, down_s=1.0, reset=reset,
+                                     env={"SHOAL_HEARTBEAT_TIMEOUT": "10"})
     for rank, result in enumerate(results):
         assert result["outcome"] == "stopped", (rank, result)
         assert result["rounds"] >= before + 5, (rank, result, before)
 
 
+_SECOND_ADDRESSES = ("10.214.0.1", "10.214.0.2")
+
+
+@pytest.mark.parametrize("reset", [0, 1], ids=["reset-on-the-listening-side", "reset-on-the-dialling-side"])
+def test_the_second_cable_s_connection_heals_on_it(two_hosts: TwoHosts, tmp_path: Path, reset: int) -> None:
+    second = two_hosts.add_cable(_SECOND_ADDRESSES)
+    before, results, second_after = _run_outage(two_hosts, tmp_path, down_s=1.0, reset=reset,
+                                                env={"SHOAL_HEARTBEAT_TIMEOUT": "10"}, second=second)
+    for rank, result in enumerate(results):
+        assert result["outcome"] == "stopped", (rank, result)
+        assert result["rounds"] >= before + 5, (rank, result, before)
+    # Each round's all-reduce sends 512 KiB of its 1 MiB each way, half of it over each cable.
+    assert second_after >= 5 * (256 << 10), f"{second_after} bytes crossed the second cable after the outage"
+
+
 def test_an_outage_past_the_deadlines_is_a_peer_failure_on_both_sides(two_hosts: TwoHosts, tmp_path: Path) -> None:
-    _, results = _run_outage(two_hosts, tmp_path, down_s=5.0, reset=0,
+    _, results, _ = _run_outage(two_hosts, tmp_path, down_s=5.0, reset=0,
                              env={"SHOAL_HEAL_TIMEOUT": "2", "SHOAL_HEARTBEAT_TIMEOUT": "2"})
     for rank, result in enumerate(results):
         assert result["outcome"].startswith(f"PeerFailure: rank {1 - rank}"), (rank, result)

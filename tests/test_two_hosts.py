@@ -32,5 +32,5 @@ def test_hierarchical_collectives_send_each_hosts_share_across_the_cable_once(
     # other host's half of the input: a flat ring sends 1.5x those.
     for collective, share in (("all_reduce", 1.0), ("all_gather", 0.5), ("reduce_scatter", 0.5)):
         for leader in (0, 2):
-            sent = results[leader]["sent"][collective] / (share * nbytes)
+            sent = results[leader]["sent"][collective][two_hosts.devices[hosts[leader]]] / (share * nbytes)
             assert 1.0 <= sent <= 1.2, f"{collective}: host {leader // 2} sent {sent:.2f}x its share across"

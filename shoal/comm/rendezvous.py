@@ -172,26 +172,27 @@ def join_store(base: Store, key: Hashable | None, rank: int, world_size: int, ti
 
 
 def store_host(store: tdist.Store) -> str:
-    """The host of the TCPStore under torch's prefixes, toward which ranks listen (`listen_address`; loopback
+    """The host of the TCPStore under torch's prefixes, toward which ranks listen (`listen_addresses`; loopback
     for a store in files or in memory)."""
     while isinstance(store, tdist.PrefixStore):
         store = store.underlying_store
     return store.host if isinstance(store, (tdist.TCPStore, ReplicatedStore)) else "127.0.0.1"
 
 
-def listen_address(store_host: str) -> str:
-    """The address a rank listens on and publishes to its peers: that of the interface SHOAL_SOCKET_IFNAME names,
-    else that of the interface that reaches the store, which its peers reach it by too. A store on loopback
-    means every rank is on this host: they stay on loopback, whatever the variable says (it may be set for a
-    whole cluster)."""
-    name = config.SHOAL_SOCKET_IFNAME.get()
-    if name is None or is_loopback(store_host):
-        return local_address_towards(store_host)
-    address = interface_address(name)
-    if is_loopback(address):
-        raise ValueError(f"SHOAL_SOCKET_IFNAME={name!r} is a loopback interface, which ranks on other hosts "
-                         f"cannot reach (the store is at {store_host})")
-    return address
+def listen_addresses(store_host: str) -> list[str]:
+    """The addresses a rank listens on and publishes to its peers: those of the interfaces SHOAL_SOCKET_IFNAME
+    names, else that of the interface that reaches the store, which its peers reach it by too. A store on
+    loopback means every rank is on this host: they stay on loopback, whatever the variable says (it may be set
+    for a whole cluster)."""
+    names = config.SHOAL_SOCKET_IFNAME.get()
+    if names is None or is_loopback(store_host):
+        return [local_address_towards(store_host)]
+    addresses = [interface_address(name) for name in names]
+    for name, address in zip(names, addresses, strict=True):
+        if is_loopback(address):
+            raise ValueError(f"SHOAL_SOCKET_IFNAME={name!r} is a loopback interface, which ranks on other hosts "
+                             f"cannot reach (the store is at {store_host})")
+    return addresses
 
 
 _SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's IPv4 address
@@ -207,7 +208,7 @@ def interface_address(name: str) -> str:
     if name not in names:
         listed = ", ".join(names[:_LISTED_INTERFACES]) + (", ..." if len(names) > _LISTED_INTERFACES else "")
         raise ValueError(f"SHOAL_SOCKET_IFNAME={name!r}: this host has no network interface of that name (it has "
-                         f"{listed}; one name, exactly)")
+                         f"{listed}; names exactly as these, separated by commas)")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", os.fsencode(name)))

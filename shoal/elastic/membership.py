@@ -68,7 +68,7 @@ class Membership:
     def __init__(self, store: Store, me: str, *, host: str, timeout: timedelta, backend: str = "shoal") -> None:
         self._store = store
         self.me = me
-        self._host = host  # the store's host, toward which ranks listen (rendezvous.listen_address)
+        self._host = host  # the store's host, toward which ranks listen (rendezvous.listen_addresses)
         self._timeout = timeout
         self.backend = check_backend(backend)
 

@@ -1,8 +1,8 @@
 """One rank of a job on two hosts: all-reduce a large tensor, all-gather into one of the same size, and
 reduce-scatter one of the same size; check each result, and write to `result<rank>.json` the bytes our
-host's end of the cable sent during each (what every rank of our host sent across).
+host's end of each cable named sent during each (what every rank of our host sent across it).
 
-Usage: collectives_across_hosts.py RANK WORLD MASTER_ADDR MASTER_PORT DEVICE NUMEL WORKDIR
+Usage: collectives_across_hosts.py RANK WORLD MASTER_ADDR MASTER_PORT DEVICE[,DEVICE...] NUMEL WORKDIR
 """
 
 import json
@@ -15,19 +15,19 @@ import torch
 import shoal.distributed as dist
 
 rank, world, master, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-device, numel, workdir = sys.argv[5], int(sys.argv[6]), Path(sys.argv[7])
-counter = Path(f"/sys/class/net/{device}/statistics/tx_bytes")  # this namespace's view of sysfs
+devices, numel, workdir = sys.argv[5].split(","), int(sys.argv[6]), Path(sys.argv[7])
+counters = {device: Path(f"/sys/class/net/{device}/statistics/tx_bytes") for device in devices}  # this namespace's
 dist.init_process_group("shoal", f"tcp://{master}:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60))
 dist.all_reduce(torch.ones(1))  # finds the hosts, which crosses the cable too
 
 
-def sent_during(collective) -> int:
+def sent_during(collective) -> dict[str, int]:
     # Read before the barrier: once it lets us go, our host's other rank may already be sending its part.
-    before = int(counter.read_text())
+    before = {device: int(counter.read_text()) for device, counter in counters.items()}
     dist.barrier()
     collective()
     dist.barrier()
-    return int(counter.read_text()) - before
+    return {device: int(counter.read_text()) - before[device] for device, counter in counters.items()}
 
 
 tensor = torch.full((numel,), float(rank + 1))

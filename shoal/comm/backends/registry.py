@@ -11,7 +11,7 @@ from shoal.comm.backends.group import ProcessGroup
 from shoal.comm.backends.native import ShoalProcessGroup
 from shoal.comm.store import Store
 
-# (store, rank, world_size, timeout, the store's host, toward which ranks listen: rendezvous.listen_address)
+# (store, rank, world_size, timeout, the store's host, toward which ranks listen: rendezvous.listen_addresses)
 _BUILDERS: dict[str, Callable[[Store, int, int, timedelta, str], ProcessGroup]] = {
     "shoal": ShoalProcessGroup.create,
     "gloo": lambda store, rank, size, timeout, host: C10dProcessGroup.create("gloo", store, rank, size, timeout),

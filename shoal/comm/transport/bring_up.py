@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from shoal.comm.rendezvous import job_secret, listen_address
+from shoal.comm.rendezvous import job_secret, listen_addresses
 from shoal.comm.store import Store
 from shoal.comm.transport.mesh import Transport
 
@@ -16,17 +16,19 @@ from shoal.comm.transport.mesh import Transport
 def listen(store: Store, rank: int, world_size: int, *, toward: str, timeout: timedelta,
            stall_timeout: timedelta, card: tuple[Any, ...] = (),
            open_membership: bool = False, streams: int = 1) -> tuple[Transport, list[list[Any]]]:
-    """Our transport, listening and published, and every member's entry, [*card, host, port], in rank
-    order. `toward` is the store's host, toward which we listen (rendezvous.listen_address).
-    With `open_membership`, ranks from `world_size` on may join later; `streams` connections join each
-    pair (Transport). The transport is closed if any step fails."""
-    host = listen_address(toward)
-    secret, session = job_secret(store, rank, host, timeout)
-    transport = Transport(rank, world_size, secret=secret, session=session, host=host, stall_timeout=stall_timeout,
-                          open_membership=open_membership, streams=streams)
+    """Our transport, listening and published, and every member's entry, [*card, hosts, port], in rank
+    order (hosts: one address, or several joined by commas). `toward` is the store's host, toward which we
+    listen (rendezvous.listen_addresses). With `open_membership`, ranks from `world_size` on may join later;
+    `streams` connections join each pair (Transport), at least one for each of our addresses. The transport
+    is closed if any step fails."""
+    hosts = listen_addresses(toward)
+    secret, session = job_secret(store, rank, hosts[0], timeout)
+    transport = Transport(rank, world_size, secret=secret, session=session, hosts=hosts, stall_timeout=stall_timeout,
+                          open_membership=open_membership, streams=max(streams, len(hosts)))
     try:
         store.set(f"members/{rank}", [*card, *transport.address])
         entries = [store.get(f"members/{r}", timeout=timeout) for r in range(world_size)]
+        transport.check_addresses({r: entry[-2] for r, entry in enumerate(entries)})
     except BaseException:
         transport.close()
         raise

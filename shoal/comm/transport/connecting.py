@@ -4,6 +4,7 @@ the connection becomes a `PeerLink`; a dropped one is dialled again by the same 
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import struct
@@ -33,7 +34,8 @@ class Connecting:
 
     rank: int
     world_size: int
-    address: tuple[str, int]
+    hosts: tuple[str, ...]
+    address: tuple[str, int]  # (our hosts joined by commas, the port we listen on at each): what peers dial
     closed: bool
     _open: bool
     _stall_timeout: timedelta
@@ -46,9 +48,20 @@ class Connecting:
     _refused: dict[int, str]  # peers refused for keeping another number of connections, and why
     _links_changed: threading.Condition
     _matcher: Matcher
-    _listener: socket.socket
+    _listeners: list[socket.socket]
     _start: Callable[..., None]
     link_lost: Callable[[int, str], PeerFailure]
+
+    def check_addresses(self, hosts: dict[int, str]) -> None:
+        """ValueError unless every peer listens on as many addresses as we do (`hosts`: each peer's, joined by
+        commas), so that each of a pair's connections joins an address of ours to one of theirs on the same
+        network."""
+        ours = len(self.hosts)
+        others = {rank: n for rank, text in hosts.items() if (n := len(text.split(","))) != ours}
+        if others:
+            raise ValueError(f"rank {self.rank} listens on {ours} address(es) (SHOAL_SOCKET_IFNAME), but "
+                             + ", ".join(f"rank {rank} on {n}" for rank, n in sorted(others.items()))
+                             + ": every rank must name as many interfaces, one on each network")
 
     def connect_mesh(self, addresses: dict[int, tuple[str, int]], timeout: timedelta) -> None:
         """Connect to every lower rank and wait for every higher rank to connect to us."""
@@ -77,6 +90,7 @@ class Connecting:
         """As a rank that joins a running group: connect to member `peer`. One that is gone (its
         listener refuses) is recorded as lost, as a peer lost later would be; TimeoutError if it is
         not reached within `timeout` (it may live: the join fails, rather than go on without it)."""
+        self.check_addresses({peer: address[0]})
         deadline = time.monotonic() + timeout.total_seconds()
         for stream in range(self._streams):
             try:
@@ -88,15 +102,18 @@ class Connecting:
 
     def _dial(self, peer: int, address: tuple[str, int], deadline: float, *, stream: int, received: int = 0,
               refused_is_final: bool = False) -> tuple[socket.socket, int]:
-        """An authenticated connection `stream` to `peer`, and the last frame it says it received from us on it."""
+        """An authenticated connection `stream` to `peer` at `address` (its hosts joined by commas, and its
+        port), and the last frame it says it received from us on it."""
+        hosts = address[0].split(",")
+        address = (hosts[stream % len(hosts)], address[1])
         error: OSError | None = None
         for _ in attempts(deadline):  # the peer's listener may not be up yet, or the network may be down
             try:
-                # From our listener's address: the peer takes the connection's source for ours, and probes it
-                # while it waits for us to dial again (healing.py), which another interface's would fail.
+                # From one of our listeners' addresses: the peer takes the connection's source for ours, and
+                # probes it while it waits for us to dial again (healing.py), which another interface's would fail.
                 sock = socket.create_connection(address, timeout=min(_CONNECT_ATTEMPT_S,
                                                                      max(0.1, deadline - time.monotonic())),
-                                                source_address=(self.address[0], 0))
+                                                source_address=(self.hosts[stream % len(self.hosts)], 0))
                 try:
                     sock.settimeout(min(_HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
                     auth.client_handshake(sock, self._secret, self._session, my_rank=self.rank, peer_rank=peer)
@@ -124,10 +141,10 @@ class Connecting:
         return self._dial(link.rank, address, deadline, stream=link.stream, received=link.received,
                           refused_is_final=True)
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except OSError:
                 return  # listener closed
             self._start(self._admit, conn, name="shoal-handshake")
@@ -195,6 +212,28 @@ class Connecting:
     def _streams_to(self, rank: int) -> list[PeerLink]:
         """Every connection to `rank` there is."""
         return [link for s in range(self._streams) if (link := self._links.get((rank, s))) is not None]
+
+
+_PORT_TRIES = 10
+
+
+def listen(hosts: tuple[str, ...], backlog: int) -> list[socket.socket]:
+    """A listener on each of `hosts`, all on one port: a peer knows our port once, and dials or probes it at
+    whichever of our addresses its connection came from. A free port on the first may be taken on another; then
+    another port is tried."""
+    for _ in range(_PORT_TRIES):
+        listeners = [socket.create_server((hosts[0], 0), backlog=backlog)]
+        port = listeners[0].getsockname()[1]
+        try:
+            for host in hosts[1:]:
+                listeners.append(socket.create_server((host, port), backlog=backlog))
+            return listeners
+        except OSError as exc:
+            for listener in listeners:
+                listener.close()
+            if exc.errno != errno.EADDRINUSE:
+                raise
+    raise OSError(errno.EADDRINUSE, f"no port was free on all of {', '.join(hosts)} in {_PORT_TRIES} tries")
 
 
 def _configure(sock: socket.socket, stall_timeout: timedelta) -> None:

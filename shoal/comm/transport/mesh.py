@@ -8,12 +8,12 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from shoal import config
 from shoal.comm.transport import striping
-from shoal.comm.transport.connecting import Connecting
+from shoal.comm.transport.connecting import Connecting, listen
 from shoal.comm.transport.delivery import INLINE_BYTES
 from shoal.comm.transport.frame_header import ACK_NOW, FrameHeader, Kind
 from shoal.comm.transport.frames import Op, Payload, Recv, SendTracker
@@ -38,12 +38,13 @@ FrameHandler = Callable[[int, int, int, int, int, Payload], None]
 class Transport(Connecting):
     """Full mesh of authenticated connections between the ranks of one job."""
 
-    def __init__(self, rank: int, world_size: int, *, secret: bytes, session: bytes, host: str,
+    def __init__(self, rank: int, world_size: int, *, secret: bytes, session: bytes, hosts: Sequence[str],
                  stall_timeout: timedelta, heal_timeout: timedelta | None = None,
                  heartbeat_timeout: timedelta | None = None, open_membership: bool = False, streams: int = 1) -> None:
-        """With `open_membership`, ranks from `world_size` on may join later: they dial every member.
-        `streams`: how many TCP connections each pair of ranks has (config.SHOAL_STREAMS); large frames
-        to a peer that does not share memory with us go round them."""
+        """`hosts`: the addresses we listen on, one port on each; connection s to a peer goes between our
+        and its address s modulo their number. With `open_membership`, ranks from `world_size` on may join
+        later: they dial every member. `streams`: how many TCP connections each pair of ranks has
+        (config.SHOAL_STREAMS); large frames to a peer that does not share memory with us go round them."""
         if not 1 <= streams <= config.MAX_STREAMS:
             raise ValueError(f"streams must be from 1 to {config.MAX_STREAMS}, not {streams}")
         self.rank, self.world_size, self._open, self._streams = rank, world_size, open_membership, streams
@@ -63,10 +64,12 @@ class Transport(Connecting):
         # Every thread we start, so that close() can join them: a thread still running (or ending)
         # while the interpreter finalizes can abort the process inside torch's thread-local cleanup.
         self._threads: list[threading.Thread] = []
-        self._listener = socket.create_server((host, 0), backlog=max(16, world_size))
-        self.address = self._listener.getsockname()[:2]
+        self.hosts = tuple(hosts)
+        self._listeners = listen(self.hosts, backlog=max(16, world_size))
+        self.address = (",".join(self.hosts), self._listeners[0].getsockname()[1])
         self._stopping = threading.Event()
-        self._start(self._accept_loop, name="shoal-accept")
+        for listener in self._listeners:
+            self._start(self._accept_loop, listener, name="shoal-accept")
         self._start(self._heartbeat_loop, name="shoal-heartbeat")
 
     def _start(self, target: Callable[..., None], *args: object, name: str) -> None:
@@ -258,11 +261,12 @@ class Transport(Connecting):
         for link in links:
             link.release_lane()
             link.shutdown(socket.SHUT_WR)  # our goodbye is ahead of the FIN; we read on until theirs
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop
-        except OSError:
-            pass
-        self._listener.close()
+        for listener in self._listeners:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes its accept loop
+            except OSError:
+                pass
+            listener.close()
         deadline = time.monotonic() + timeout.total_seconds()
         self._join_threads(min(deadline, time.monotonic() + _DRAIN_S))  # peers closing too say goodbye at once
         for link in links:
