@@ -85,6 +85,9 @@ def _interfaces(text: str) -> tuple[str, ...]:
                          "as `ip link` lists them, separated by commas")
     if len(set(names)) < len(names):
         raise ValueError("expected each interface once")
+    if len(names) > MAX_STREAMS:
+        raise ValueError(f"expected at most {MAX_STREAMS} interfaces (a pair of ranks keeps a connection on each, "
+                         f"of at most {MAX_STREAMS})")
     return names
 
 

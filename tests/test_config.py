@@ -72,6 +72,9 @@ def test_an_unset_or_empty_variable_has_its_default(monkeypatch: pytest.MonkeyPa
                                           "at most 15 bytes, no '/', ':' or space\\), as `ip link` lists them, "
                                           "separated by commas"),
     (config.SHOAL_SOCKET_IFNAME, "eth1,eth1", "SHOAL_SOCKET_IFNAME='eth1,eth1': expected each interface once"),
+    (config.SHOAL_SOCKET_IFNAME, ",".join(f"eth{i}" for i in range(9)),
+     "SHOAL_SOCKET_IFNAME='eth0,eth1,eth2,eth3,eth4,eth5,eth6,eth7,eth8': expected at most 8 interfaces \\(a pair "
+     "of ranks keeps a connection on each, of at most 8\\)"),
 ])
 def test_a_bad_value_is_named_with_what_was_expected(monkeypatch: pytest.MonkeyPatch, variable: config.Variable,
                                                      text: str, expected: str) -> None:

@@ -7,6 +7,7 @@ The two-host tests need root and `ip netns` (the `two_hosts` fixture); they skip
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -105,6 +106,18 @@ def test_ranks_naming_different_numbers_of_interfaces_are_all_told(two_hosts: Tw
     for rank, answer in enumerate(answers):
         assert f"rank {rank} listens on {2 - rank} address(es) (SHOAL_SOCKET_IFNAME), but rank {1 - rank} on " \
                f"{1 + rank}: every rank must name as many interfaces, one on each network" in answer, answer
+
+
+def test_two_interfaces_of_one_address_are_refused(two_hosts: TwoHosts) -> None:
+    first = two_hosts.add_cable()
+    second = two_hosts.add_cable()  # the same addresses again
+    probe = ("from shoal.comm.rendezvous import listen_addresses\n"
+             "try:\n    listen_addresses('10.213.0.2')\nexcept ValueError as exc:\n    print(exc)\n")
+    answer = subprocess.run(["ip", "netns", "exec", two_hosts.namespaces[0], sys.executable, "-c", probe],
+                            env={**os.environ, "SHOAL_SOCKET_IFNAME": f"{first[0]},{second[0]}"},
+                            check=True, capture_output=True, timeout=60, text=True).stdout
+    assert f"SHOAL_SOCKET_IFNAME names {first[0]}, {second[0]}, which have one address, 10.214.0.1: name one " \
+           f"interface on each network" in answer, answer
 
 
 def test_a_rank_listens_on_one_port_at_each_of_its_addresses() -> None:

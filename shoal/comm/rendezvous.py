@@ -192,6 +192,9 @@ def listen_addresses(store_host: str) -> list[str]:
         if is_loopback(address):
             raise ValueError(f"SHOAL_SOCKET_IFNAME={name!r} is a loopback interface, which ranks on other hosts "
                              f"cannot reach (the store is at {store_host})")
+        if (same := [other for other, a in zip(names, addresses, strict=True) if a == address]) != [name]:
+            raise ValueError(f"SHOAL_SOCKET_IFNAME names {', '.join(same)}, which have one address, {address}: "
+                             f"name one interface on each network")
     return addresses
 
 

@@ -52,12 +52,12 @@ class Connecting:
     _start: Callable[..., None]
     link_lost: Callable[[int, str], PeerFailure]
 
-    def check_addresses(self, hosts: dict[int, str]) -> None:
-        """ValueError unless every peer listens on as many addresses as we do (`hosts`: each peer's, joined by
-        commas), so that each of a pair's connections joins an address of ours to one of theirs on the same
+    def check_addresses(self, published: dict[int, str]) -> None:
+        """ValueError unless every peer listens on as many addresses as we do (`published`: each peer's, joined
+        by commas), so that each of a pair's connections joins an address of ours to one of theirs on the same
         network."""
         ours = len(self.hosts)
-        others = {rank: n for rank, text in hosts.items() if (n := len(text.split(","))) != ours}
+        others = {rank: n for rank, text in published.items() if (n := len(text.split(","))) != ours}
         if others:
             raise ValueError(f"rank {self.rank} listens on {ours} address(es) (SHOAL_SOCKET_IFNAME), but "
                              + ", ".join(f"rank {rank} on {n}" for rank, n in sorted(others.items()))
@@ -105,14 +105,14 @@ class Connecting:
         """An authenticated connection `stream` to `peer` at `address` (its hosts joined by commas, and its
         port), and the last frame it says it received from us on it."""
         hosts = address[0].split(",")
-        address = (hosts[stream % len(hosts)], address[1])
+        target = (hosts[stream % len(hosts)], address[1])
         error: OSError | None = None
         for _ in attempts(deadline):  # the peer's listener may not be up yet, or the network may be down
             try:
                 # From one of our listeners' addresses: the peer takes the connection's source for ours, and
                 # probes it while it waits for us to dial again (healing.py), which another interface's would fail.
-                sock = socket.create_connection(address, timeout=min(_CONNECT_ATTEMPT_S,
-                                                                     max(0.1, deadline - time.monotonic())),
+                sock = socket.create_connection(target, timeout=min(_CONNECT_ATTEMPT_S,
+                                                                    max(0.1, deadline - time.monotonic())),
                                                 source_address=(self.hosts[stream % len(self.hosts)], 0))
                 try:
                     sock.settimeout(min(_HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
@@ -134,7 +134,9 @@ class Connecting:
                 error = exc
             except OSError as exc:
                 error = exc
-        raise TimeoutError(f"rank {self.rank} could not connect to rank {peer} at {address[0]}:{address[1]}: "
+        several = (f" (from {self.hosts[stream % len(self.hosts)]}: does SHOAL_SOCKET_IFNAME name the interfaces "
+                   f"in the same order on every host, one on each network?)" if len(self.hosts) > 1 else "")
+        raise TimeoutError(f"rank {self.rank} could not connect to rank {peer} at {target[0]}:{target[1]}{several}: "
                            f"{error}")
 
     def redial(self, link: PeerLink, address: tuple[str, int], deadline: float) -> tuple[socket.socket, int]:
@@ -228,10 +230,10 @@ def listen(hosts: tuple[str, ...], backlog: int) -> list[socket.socket]:
             for host in hosts[1:]:
                 listeners.append(socket.create_server((host, port), backlog=backlog))
             return listeners
-        except OSError as exc:
+        except BaseException as exc:
             for listener in listeners:
                 listener.close()
-            if exc.errno != errno.EADDRINUSE:
+            if not isinstance(exc, OSError) or exc.errno != errno.EADDRINUSE:
                 raise
     raise OSError(errno.EADDRINUSE, f"no port was free on all of {', '.join(hosts)} in {_PORT_TRIES} tries")
 

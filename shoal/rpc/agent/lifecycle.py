@@ -86,7 +86,7 @@ class RpcAgent:
         store = rendezvous.join(endpoint, timeout, namespace="shoal-rpc/")
         transport, entries = listen(store, rank, world_size, toward=endpoint.host, timeout=timeout,
                                     stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,),
-                                    open_membership=True)
+                                    open_membership=True, every_interface=False)  # RPC keeps to one connection
         agent: RpcAgent | None = None
         try:
             store.set(f"named/{rank}", 1)
@@ -128,7 +128,7 @@ class RpcAgent:
         try:
             transport, _ = listen(store, rank, world_size, toward=host, timeout=joining.left(deadline),
                                   stall_timeout=timedelta(seconds=options.rpc_timeout), card=(name,),
-                                  open_membership=True)
+                                  open_membership=True, every_interface=False)
             info = WorkerInfo(name, rank)
             workers = [WorkerInfo(entry[0], r) for r, entry in enumerate(entries)] + [info]
             agent = cls(info, workers, transport, store, options, world_size=world_size, joined=True)
