@@ -77,7 +77,8 @@ def test_a_frame_that_arrives_while_a_heartbeat_is_written_is_acknowledged_when_
 
     link._transmit = heartbeat_then_frame_arrives
     link.last_sent = time.monotonic() - 10
-    link.heartbeat(time.monotonic(), interval=1.0, timeout=100.0)
+    now = time.monotonic()
+    link.heartbeat(now, interval=1.0, timeout=100.0, peer_heard=now)
 
     headers = _headers_until(peer, lambda headers: any(header.ack == 1 for header in headers))
     assert headers[0].kind == Kind.HEARTBEAT and headers[0].ack == 0

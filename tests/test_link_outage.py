@@ -1,7 +1,8 @@
 """Two ranks on two hosts (network namespaces joined by a veth pair) while the link between them goes
 down: a short outage, even one that resets the connection, heals and every all-reduce comes out right;
 an outage longer than the heal and heartbeat deadlines ends in PeerFailure on both sides, not a hang.
-With two cables, both named by SHOAL_SOCKET_IFNAME, the connection on the second heals on it.
+With two cables, both named by SHOAL_SOCKET_IFNAME, the connection on the second heals on it, or over the
+first if the second stays down.
 
 Needs root and `ip netns` (the `two_hosts` fixture); skips elsewhere."""
 
@@ -39,18 +40,19 @@ def _or_a_rank_ends(condition: Callable[[], bool], ranks: list[subprocess.Popen]
     return lambda: condition() or any(p.poll() is not None for p in ranks)
 
 
-def _run_outage(hosts: TwoHosts, workdir: Path, *, down_s: float, reset: int | None,
-                env: dict[str, str], second: tuple[str, str] | None = None) -> tuple[int, list[dict], int]:
-    """Run rank r on host r, take the link down for `down_s` once they are under way (resetting host
-    `reset`'s connections meanwhile), and let them finish. With `second`, a second cable's ends, the ranks
-    talk over both cables and the outage is the second's. Returns (rounds before the outage, results, bytes
-    host 0 sent over the cable that went down, after the outage)."""
+def _run_outage(hosts: TwoHosts, workdir: Path, *, down_s: float | None, reset: int | None, env: dict[str, str],
+                second: tuple[str, str] | None = None) -> tuple[int, list[dict], dict[str, int]]:
+    """Run rank r on host r, take the link down for `down_s` (None: for good) once they are under way
+    (resetting host `reset`'s connections meanwhile), and let them finish. With `second`, a second cable's
+    ends, the ranks talk over both cables and the outage is the second's. Returns (rounds before the outage,
+    results, the bytes host 0 sent over each cable's end after the outage)."""
     env = {"SHOAL_SECRET": "link-outage-test", "SHOAL_SHM": "0", **env}  # hosts share no memory
     logs = [open(workdir / f"stderr{rank}", "wb") for rank in (0, 1)]  # closed below
     envs = [env, env]
     if second is not None:
         envs = [{**env, "SHOAL_SOCKET_IFNAME": f"{hosts.devices[rank]},{second[rank]}"} for rank in (0, 1)]
     cable = hosts.devices[0] if second is None else second[0]
+    ends = [hosts.devices[0]] + ([] if second is None else [second[0]])
     ranks = [hosts.start(rank, [str(SCRIPT), str(rank), hosts.addresses[0], str(STORE_PORT), str(workdir)],
                          envs[rank], logs[rank]) for rank in (0, 1)]
     try:
@@ -62,13 +64,14 @@ def _run_outage(hosts: TwoHosts, workdir: Path, *, down_s: float, reset: int | N
         if reset is not None:  # the rendezvous store's connection is spared: it is not shoal's transport
             to = None if second is None else _SECOND_ADDRESSES[1 - reset]
             assert hosts.reset_connections(reset, spare_port=STORE_PORT, to=to) >= 1, "no connection to reset"
-        time.sleep(down_s)
-        hosts.link("up", cable)
-        cable_before = hosts.sent(0, cable)
+        if down_s is not None:
+            time.sleep(down_s)
+            hosts.link("up", cable)
+        sent_before = {end: hosts.sent(0, end) for end in ends}
         wait_until(_or_a_rank_ends(lambda: _progress(workdir) >= before + 5, ranks),
                    "both ranks have finished five rounds after the outage, or one has ended", timeout=60,
                    interval=0.05)
-        cable_after = hosts.sent(0, cable) - cable_before
+        sent_after = {end: hosts.sent(0, end) - sent_before[end] for end in ends}
         (workdir / "stop").touch()
         for p in ranks:
             p.wait(timeout=60)
@@ -81,7 +84,7 @@ def _run_outage(hosts: TwoHosts, workdir: Path, *, down_s: float, reset: int | N
             log.close()
     for rank, p in enumerate(ranks):
         assert p.returncode == 0, (rank, p.returncode, (workdir / f"stderr{rank}").read_text()[-3000:])
-    return before, [json.loads((workdir / f"result{r}.json").read_text()) for r in (0, 1)], cable_after
+    return before, [json.loads((workdir / f"result{r}.json").read_text()) for r in (0, 1)], sent_after
 
 
 @pytest.mark.parametrize("reset", [None, 0, 1], ids=["no-reset", "reset-on-the-listening-side",
@@ -98,14 +101,26 @@ def test_a_one_second_outage_heals(two_hosts: TwoHosts, tmp_path: Path, reset: i
 @pytest.mark.parametrize("reset", [0, 1], ids=["reset-on-the-listening-side", "reset-on-the-dialling-side"])
 def test_the_second_cable_s_connection_heals_on_it(two_hosts: TwoHosts, tmp_path: Path, reset: int) -> None:
     second = two_hosts.add_cable(_SECOND_ADDRESSES)
-    before, results, second_after = _run_outage(two_hosts, tmp_path, down_s=1.0, reset=reset,
-                                                env={"SHOAL_HEARTBEAT_TIMEOUT": "10"}, second=second)
+    before, results, sent_after = _run_outage(two_hosts, tmp_path, down_s=1.0, reset=reset,
+                                              env={"SHOAL_HEARTBEAT_TIMEOUT": "10"}, second=second)
     for rank, result in enumerate(results):
         assert result["outcome"] == "stopped", (rank, result)
         assert result["rounds"] >= before + 5, (rank, result, before)
     # Each round's all-reduce of 1 MiB sends 1 MiB each way, half of it over each cable; of the five rounds
     # counted, the first may have been under way before the count began: half of their bytes is ample.
-    assert second_after >= 5 * (256 << 10), f"{second_after} bytes crossed the second cable after the outage"
+    assert sent_after[second[0]] >= 5 * (256 << 10), f"{sent_after} bytes crossed the cables after the outage"
+
+
+def test_a_cable_down_for_good_leaves_its_connection_to_the_other(two_hosts: TwoHosts, tmp_path: Path) -> None:
+    second = two_hosts.add_cable(_SECOND_ADDRESSES)
+    # No reset: the second cable's connection falls silent while the first's is heard, and is dialled again
+    # over the first once the second stays down (shoal/comm/transport/connecting.py, _FAILOVER_AFTER_S).
+    before, results, sent_after = _run_outage(two_hosts, tmp_path, down_s=None, reset=None, env={}, second=second)
+    for rank, result in enumerate(results):
+        assert result["outcome"] == "stopped", (rank, result)
+        assert result["rounds"] >= before + 5, (rank, result, before)
+    # Five rounds' 1 MiB each way, all over the first cable (the first round may have begun before the count).
+    assert sent_after[two_hosts.devices[0]] >= 4 << 20, f"{sent_after} bytes crossed the cables after the outage"
 
 
 def test_an_outage_past_the_deadlines_is_a_peer_failure_on_both_sides(two_hosts: TwoHosts, tmp_path: Path) -> None:

@@ -27,6 +27,9 @@ _HANDSHAKE_TIMEOUT_S = 10.0
 # is otherwise sent again only after 1, 3, 7... s, long after the network is back.
 _CONNECT_ATTEMPT_S = 1.0
 _ADOPT_WAIT_S = 5.0  # a joiner's connection, accepted, is adopted by its handshake thread within this
+# A connection that cannot be made between its own two addresses for this long (or a third of the time left,
+# if less) is tried between the pair's other addresses in turn: their network may be down for good.
+_FAILOVER_AFTER_S = 3.0
 
 
 class Connecting:
@@ -44,6 +47,7 @@ class Connecting:
     _session: bytes
     _lock: threading.Lock
     _links: dict[tuple[int, int], PeerLink]  # (peer, stream) -> its connection
+    _dialled: dict[int, str]  # each peer we dial -> the addresses it published, joined by commas
     _streams: int
     _refused: dict[int, str]  # peers refused for keeping another number of connections, and why
     _links_changed: threading.Condition
@@ -67,6 +71,7 @@ class Connecting:
         """Connect to every lower rank and wait for every higher rank to connect to us."""
         deadline = time.monotonic() + timeout.total_seconds()
         for peer in range(self.rank):
+            self._dialled[peer] = addresses[peer][0]
             for stream in range(self._streams):
                 address = (addresses[peer][0], addresses[peer][1])
                 sock, _ = self._dial(peer, address, deadline, stream=stream)
@@ -91,6 +96,7 @@ class Connecting:
         listener refuses) is recorded as lost, as a peer lost later would be; TimeoutError if it is
         not reached within `timeout` (it may live: the join fails, rather than go on without it)."""
         self.check_addresses({peer: address[0]})
+        self._dialled[peer] = address[0]
         deadline = time.monotonic() + timeout.total_seconds()
         for stream in range(self._streams):
             try:
@@ -105,15 +111,17 @@ class Connecting:
         """An authenticated connection `stream` to `peer` at `address` (its hosts joined by commas, and its
         port), and the last frame it says it received from us on it."""
         hosts = address[0].split(",")
-        target = (hosts[stream % len(hosts)], address[1])
+        failover = time.monotonic() + min(_FAILOVER_AFTER_S, (deadline - time.monotonic()) / 3)
         error: OSError | None = None
-        for _ in attempts(deadline):  # the peer's listener may not be up yet, or the network may be down
+        for attempt in attempts(deadline):  # the peer's listener may not be up yet, or the network may be down
+            pair = stream if time.monotonic() < failover else stream + attempt
+            target = (hosts[pair % len(hosts)], address[1])
             try:
                 # From one of our listeners' addresses: the peer takes the connection's source for ours, and
                 # probes it while it waits for us to dial again (healing.py), which another interface's would fail.
                 sock = socket.create_connection(target, timeout=min(_CONNECT_ATTEMPT_S,
                                                                     max(0.1, deadline - time.monotonic())),
-                                                source_address=(self.hosts[stream % len(self.hosts)], 0))
+                                                source_address=(self.hosts[pair % len(self.hosts)], 0))
                 try:
                     sock.settimeout(min(_HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
                     auth.client_handshake(sock, self._secret, self._session, my_rank=self.rank, peer_rank=peer)
@@ -134,13 +142,16 @@ class Connecting:
                 error = exc
             except OSError as exc:
                 error = exc
-        several = (f" (from {self.hosts[stream % len(self.hosts)]}: does SHOAL_SOCKET_IFNAME name the interfaces "
-                   f"in the same order on every host, one on each network?)" if len(self.hosts) > 1 else "")
-        raise TimeoutError(f"rank {self.rank} could not connect to rank {peer} at {target[0]}:{target[1]}{several}: "
-                           f"{error}")
+        where = f"{', '.join(hosts)} port {address[1]}, from {', '.join(self.hosts)}"
+        if len(self.hosts) > 1:
+            where += (" (does SHOAL_SOCKET_IFNAME name the interfaces in the same order on every host, one on each "
+                      "network?)")
+        raise TimeoutError(f"rank {self.rank} could not connect to rank {peer} at {where}: {error}")
 
     def redial(self, link: PeerLink, address: tuple[str, int], deadline: float) -> tuple[socket.socket, int]:
-        return self._dial(link.rank, address, deadline, stream=link.stream, received=link.received,
+        """`link`'s connection dialled again: at the address it had, or at any the peer published."""
+        published = (self._dialled.get(link.rank, address[0]), address[1])
+        return self._dial(link.rank, published, deadline, stream=link.stream, received=link.received,
                           refused_is_final=True)
 
     def _accept_loop(self, listener: socket.socket) -> None:

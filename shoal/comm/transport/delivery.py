@@ -255,12 +255,17 @@ class Delivery:
         except _SocketFull:
             self._enqueue(None, memoryview(b""), None)
 
-    def heartbeat(self, now: float, interval: float, timeout: float) -> None:
-        """Called periodically: say we are alive when we have said nothing for `interval`, and give the
-        peer up when it has said nothing, not even a heartbeat, for `timeout`."""
+    def heartbeat(self, now: float, interval: float, timeout: float, peer_heard: float) -> None:
+        """Called periodically: say we are alive when we have said nothing for `interval`. When the peer has
+        said nothing here, not even a heartbeat, for `timeout`, give it up; unless it was heard on another of
+        our connections to it since (`peer_heard`): then the network under this one is down, and the
+        connection is healed (healing.py), over another network if this one stays down."""
         if self._broken or self._gone is not None:
             return
         if now - self.last_heard > timeout:
+            if now - peer_heard <= timeout:
+                self.drop(f"was silent for {timeout:g}s while the peer was heard on another")
+                return
             self._owner.link_lost(self.rank, f"nothing heard from it for {timeout:g}s, not even a heartbeat: it "
                                              f"is stopped or stuck, or the network between us is down")
         elif now - self.last_sent >= interval and self._write_lock.acquire(blocking=False):

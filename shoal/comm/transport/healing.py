@@ -96,13 +96,26 @@ class Healing:
         log.info("connection to rank %d broke while writing (%s); healing", self.rank, exc)
         shut(sock)
 
+    def drop(self, why: str) -> None:
+        """Give the current connection up (it `why`) and heal it, as if it had dropped."""
+        with self._state:
+            if self._broken or self._gone is not None:
+                return
+            self._broken = True
+            current = self._sock
+        log.info("connection to rank %d %s; healing", self.rank, why)
+        shut(current)  # the reader, woken, heals it
+
     def replace(self, sock: socket.socket, peer_received: int) -> None:
-        """The peer dialled us again (it found the connection broken first, or so did we)."""
+        """The peer dialled us again (it found the connection broken first, or so did we), maybe over another
+        of our networks: its process is probed there from now on."""
+        host = sock.getpeername()[0]  # OSError if it is gone already; the peer then dials again
         with self._state:
             if self._gone is not None:
                 sock.close()
                 return
             old, self._replacement = self._replacement, (sock, peer_received)
+            self._address = (host, self._address[1])
             current = self._sock
             self._broken = True
             self._state_changed.notify_all()

@@ -55,6 +55,7 @@ class Transport(Connecting):
         self._secret, self._session = secret, session
         self._lock = threading.Lock()
         self._links: dict[tuple[int, int], PeerLink] = {}
+        self._dialled: dict[int, str] = {}
         self._refused: dict[int, str] = {}
         self._links_changed = threading.Condition(self._lock)
         self._matcher = Matcher(rank, self.abort, streams=streams)
@@ -230,8 +231,12 @@ class Transport(Connecting):
         interval = self._heartbeat_timeout / 5
         while not self._stopping.wait(interval):
             now = time.monotonic()
-            for link in list(self._links.values()):
-                link.heartbeat(now, interval, self._heartbeat_timeout)
+            links = list(self._links.values())
+            peer_heard: dict[int, float] = {}  # when each peer was last heard, on any connection
+            for link in links:
+                peer_heard[link.rank] = max(peer_heard.get(link.rank, link.last_heard), link.last_heard)
+            for link in links:
+                link.heartbeat(now, interval, self._heartbeat_timeout, peer_heard[link.rank])
 
     def _tell_listeners(self, error: PeerFailure) -> None:
         for listener in self._failure_listeners:
