@@ -101,7 +101,8 @@ def test_a_one_second_outage_heals(two_hosts: TwoHosts, tmp_path: Path, reset: i
 @pytest.mark.parametrize("reset", [0, 1], ids=["reset-on-the-listening-side", "reset-on-the-dialling-side"])
 def test_the_second_cable_s_connection_heals_on_it(two_hosts: TwoHosts, tmp_path: Path, reset: int) -> None:
     second = two_hosts.add_cable(_SECOND_ADDRESSES)
-    before, results, sent_after = _run_outage(two_hosts, tmp_path, down_s=1.0, reset=reset,
+    # Half a second down: back well before a redial would try the first cable (connecting.py, _FAILOVER_AFTER_S).
+    before, results, sent_after = _run_outage(two_hosts, tmp_path, down_s=0.5, reset=reset,
                                               env={"SHOAL_HEARTBEAT_TIMEOUT": "10"}, second=second)
     for rank, result in enumerate(results):
         assert result["outcome"] == "stopped", (rank, result)

@@ -27,8 +27,8 @@ _HANDSHAKE_TIMEOUT_S = 10.0
 # is otherwise sent again only after 1, 3, 7... s, long after the network is back.
 _CONNECT_ATTEMPT_S = 1.0
 _ADOPT_WAIT_S = 5.0  # a joiner's connection, accepted, is adopted by its handshake thread within this
-# A connection that cannot be made between its own two addresses for this long (or a third of the time left,
-# if less) is tried between the pair's other addresses in turn: their network may be down for good.
+# A dropped connection that cannot be made again between its own two addresses for this long (or a third of the
+# time left, if less) is tried between the pair's other addresses in turn: their network may be down for good.
 _FAILOVER_AFTER_S = 3.0
 
 
@@ -107,14 +107,19 @@ class Connecting:
             self._adopt(peer, stream, sock, address[1])
 
     def _dial(self, peer: int, address: tuple[str, int], deadline: float, *, stream: int, received: int = 0,
-              refused_is_final: bool = False) -> tuple[socket.socket, int]:
+              refused_is_final: bool = False, failover: bool = False) -> tuple[socket.socket, int]:
         """An authenticated connection `stream` to `peer` at `address` (its hosts joined by commas, and its
-        port), and the last frame it says it received from us on it."""
+        port), and the last frame it says it received from us on it; with `failover`, between another pair of
+        our and its addresses if not between its own soon (_FAILOVER_AFTER_S)."""
         hosts = address[0].split(",")
-        failover = time.monotonic() + min(_FAILOVER_AFTER_S, (deadline - time.monotonic()) / 3)
+        turn_at = time.monotonic() + min(_FAILOVER_AFTER_S, (deadline - time.monotonic()) / 3)
         error: OSError | None = None
-        for attempt in attempts(deadline):  # the peer's listener may not be up yet, or the network may be down
-            pair = stream if time.monotonic() < failover else stream + attempt
+        pair = stream
+        for _ in attempts(deadline):  # the peer's listener may not be up yet, or the network may be down
+            if failover and len(hosts) > 1 and time.monotonic() >= turn_at:
+                pair += 1
+                log.warning("rank %d: connection %d to rank %d cannot be made on its own network; trying %s",
+                            self.rank, stream, peer, hosts[pair % len(hosts)])
             target = (hosts[pair % len(hosts)], address[1])
             try:
                 # From one of our listeners' addresses: the peer takes the connection's source for ours, and
@@ -152,7 +157,7 @@ class Connecting:
         """`link`'s connection dialled again: at the address it had, or at any the peer published."""
         published = (self._dialled.get(link.rank, address[0]), address[1])
         return self._dial(link.rank, published, deadline, stream=link.stream, received=link.received,
-                          refused_is_final=True)
+                          refused_is_final=True, failover=True)
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:

@@ -264,7 +264,7 @@ class Delivery:
             return
         if now - self.last_heard > timeout:
             if now - peer_heard <= timeout:
-                self.drop(f"was silent for {timeout:g}s while the peer was heard on another")
+                self.drop(f"it was silent for {timeout:g}s while the peer was heard on another", timeout)
                 return
             self._owner.link_lost(self.rank, f"nothing heard from it for {timeout:g}s, not even a heartbeat: it "
                                              f"is stopped or stuck, or the network between us is down")

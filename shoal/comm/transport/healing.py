@@ -84,6 +84,7 @@ class Healing:
     _replay_due: bool
     _reacknowledge: bool
     _replacement: tuple[socket.socket, int] | None
+    _dropped: tuple[str, float] | None
     _retired: list[socket.socket]
     _gone: PeerFailure | None
 
@@ -96,12 +97,15 @@ class Healing:
         log.info("connection to rank %d broke while writing (%s); healing", self.rank, exc)
         shut(sock)
 
-    def drop(self, why: str) -> None:
-        """Give the current connection up (it `why`) and heal it, as if it had dropped."""
+    def drop(self, why: str, silent_s: float) -> None:
+        """Give the current connection up (it `why`: nothing came on it for `silent_s`) and heal it, as if it
+        had dropped. The heal has `silent_s` more than its deadline: the peer, which dials again if we do
+        not, may find the silence up to that much later than we did."""
         with self._state:
-            if self._broken or self._gone is not None:
-                return
+            if self._broken or self._gone is not None or time.monotonic() - self.last_heard <= silent_s:
+                return  # healed, or heard, since the caller looked
             self._broken = True
+            self._dropped = (why, silent_s)
             current = self._sock
         log.info("connection to rank %d %s; healing", self.rank, why)
         shut(current)  # the reader, woken, heals it
@@ -130,18 +134,20 @@ class Healing:
         with self._state:
             self._broken = True
             self._retired.append(sock)
+            dropped, self._dropped = self._dropped, None
         shut(sock)
-        log.info("connection to rank %d dropped (%s); healing", self.rank, exc)
+        cause, grace = dropped or (str(exc), 0.0)
+        log.info("connection to rank %d dropped (%s); healing", self.rank, cause)
         healing = events.begin()
-        deadline = time.monotonic() + self._heal_timeout
+        deadline = time.monotonic() + self._heal_timeout + grace
         try:
             new, peer_received = (self._owner.redial(self, self._address, deadline) if self._dialer
                                   else self._await_redial(deadline))
         except PeerFailure as failure:
             raise self._owner.link_lost(self.rank, failure.detail) from None
         except TimeoutError:
-            raise self._owner.link_lost(self.rank, f"the connection dropped ({exc}) and could not be restored "
-                                                   f"within {self._heal_timeout:g}s") from None
+            raise self._owner.link_lost(self.rank, f"the connection dropped ({cause}) and could not be restored "
+                                                   f"within {self._heal_timeout + grace:g}s") from None
         self._acknowledged(peer_received)
         with self._state:
             if self._gone is not None or self._owner.closed:  # given up or closed while we healed
@@ -155,7 +161,7 @@ class Healing:
             self.last_heard = time.monotonic()
         self._enqueue(None, memoryview(b""), None)  # the send thread replays (never the reader: see send)
         log.info("connection to rank %d restored", self.rank)
-        events.complete(f"link to rank {self.rank} healed", events.FAULT, healing, peer=self.rank, cause=str(exc),
+        events.complete(f"link to rank {self.rank} healed", events.FAULT, healing, peer=self.rank, cause=cause,
                         frames_to_resend=len(self._window))
 
     def _await_redial(self, deadline: float) -> tuple[socket.socket, int]:

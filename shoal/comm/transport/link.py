@@ -79,6 +79,7 @@ class PeerLink(Delivery, Reading, Healing):
         self._replay_due = False  # a new socket is in; the window goes out before anything else
         self._reacknowledge = False  # a new socket is in; an acknowledgement goes out on it (Healing._heal)
         self._replacement: tuple[socket.socket, int] | None = None  # a redial the peer made to us
+        self._dropped: tuple[str, float] | None = None  # why we gave the connection up, and extra time to heal it
         # Connections replaced, shut down but not closed: a writer may still hold one, and closing it
         # would free its descriptor number for reuse under that writer. Closed under the write lock.
         self._retired: list[socket.socket] = []
@@ -100,6 +101,11 @@ class PeerLink(Delivery, Reading, Healing):
             name = self._lane_out.name.encode()
             self._enqueue(FrameHeader(Kind.SHM_OFFER, len(name)), memoryview(name), None)
         start_thread(self._send_loop, name=f"shoal-send-{self.rank}{suffix}")
+
+    @property
+    def ended(self) -> bool:
+        """Whether nothing more will come on this link: it failed, or the peer said goodbye on it."""
+        return self._gone is not None
 
     @property
     def shares_memory(self) -> bool:

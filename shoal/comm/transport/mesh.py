@@ -232,11 +232,12 @@ class Transport(Connecting):
         while not self._stopping.wait(interval):
             now = time.monotonic()
             links = list(self._links.values())
-            peer_heard: dict[int, float] = {}  # when each peer was last heard, on any connection
+            peer_heard: dict[int, float] = {}  # when each peer was last heard, on any connection still open
             for link in links:
-                peer_heard[link.rank] = max(peer_heard.get(link.rank, link.last_heard), link.last_heard)
+                if not link.ended:
+                    peer_heard[link.rank] = max(peer_heard.get(link.rank, link.last_heard), link.last_heard)
             for link in links:
-                link.heartbeat(now, interval, self._heartbeat_timeout, peer_heard[link.rank])
+                link.heartbeat(now, interval, self._heartbeat_timeout, peer_heard.get(link.rank, link.last_heard))
 
     def _tell_listeners(self, error: PeerFailure) -> None:
         for listener in self._failure_listeners:
