@@ -5,6 +5,7 @@ Usage: all_reduce_until_stopped.py RANK MASTER_ADDR MASTER_PORT WORKDIR
 """
 
 import json
+import os
 import sys
 import time
 from datetime import timedelta
@@ -34,7 +35,9 @@ while True:
         outcome = f"wrong result in round {rounds}"
         break
     rounds += 1
-    (workdir / f"progress{rank}").write_text(str(rounds))
+    # Replaced whole: a file written in place reads empty for a moment, and rounds come every few milliseconds.
+    (workdir / f"progress{rank}.new").write_text(str(rounds))
+    os.replace(workdir / f"progress{rank}.new", workdir / f"progress{rank}")
     if t[-1] > 0:
         break
 (workdir / f"result{rank}.json").write_text(json.dumps({"outcome": outcome, "rounds": rounds,
