@@ -2,7 +2,7 @@
 down: a short outage, even one that resets the connection, heals and every all-reduce comes out right;
 an outage longer than the heal and heartbeat deadlines ends in PeerFailure on both sides, not a hang.
 With two cables, both named by SHOAL_SOCKET_IFNAME, the connection on the second heals on it, or over the
-first if the second stays down.
+first while the second stays down, and moves back once it is up.
 
 Needs root and `ip netns` (the `two_hosts` fixture); skips elsewhere."""
 
@@ -42,10 +42,11 @@ def _or_a_rank_ends(condition: Callable[[], bool], ranks: list[subprocess.Popen]
 
 def _run_outage(hosts: TwoHosts, workdir: Path, *, down_s: float | None, reset: int | None, env: dict[str, str],
                 second: tuple[str, str] | None = None) -> tuple[int, list[dict], dict[str, int]]:
-    """Run rank r on host r, take the link down for `down_s` (None: for good) once they are under way
-    (resetting host `reset`'s connections meanwhile), and let them finish. With `second`, a second cable's
-    ends, the ranks talk over both cables and the outage is the second's. Returns (rounds before the outage,
-    results, the bytes host 0 sent over each cable's end after the outage)."""
+    """Run rank r on host r, take the link down for `down_s` once they are under way (resetting host `reset`'s
+    connections meanwhile), and let them finish. With `second`, a second cable's ends, the ranks talk over both
+    cables and the outage is the second's; with `down_s` None it lasts until the rounds after it are counted,
+    and the second cable must then carry 1 MiB from host 0 again before the ranks stop. Returns (rounds before
+    the outage, results, the bytes host 0 sent over each cable's end after the outage)."""
     env = {"SHOAL_SECRET": "link-outage-test", "SHOAL_SHM": "0", **env}  # hosts share no memory
     logs = [open(workdir / f"stderr{rank}", "wb") for rank in (0, 1)]  # closed below
     envs = [env, env]
@@ -64,17 +65,23 @@ def _run_outage(hosts: TwoHosts, workdir: Path, *, down_s: float | None, reset: 
         # the rounds after this count, the first may have finished before its progress was written, and the
         # second been under way on what had crossed.
         before = _progress(workdir)
+        sent_before = {end: hosts.sent(0, end) for end in ends}
         if reset is not None:  # the rendezvous store's connection is spared: it is not shoal's transport
             to = None if second is None else _SECOND_ADDRESSES[1 - reset]
             assert hosts.reset_connections(reset, spare_port=STORE_PORT, to=to) >= 1, "no connection to reset"
         if down_s is not None:
             time.sleep(down_s)
             hosts.link("up", cable)
-        sent_before = {end: hosts.sent(0, end) for end in ends}
         wait_until(_or_a_rank_ends(lambda: _progress(workdir) >= before + 6, ranks),
                    "both ranks have finished six rounds after the outage, or one has ended", timeout=60,
                    interval=0.05)
         sent_after = {end: hosts.sent(0, end) - sent_before[end] for end in ends}
+        if down_s is None and second is not None:
+            hosts.link("up", cable)
+            back_at = hosts.sent(0, cable)
+            wait_until(_or_a_rank_ends(lambda: hosts.sent(0, cable) - back_at >= 1 << 20, ranks),
+                       "the second cable carries 1 MiB again once it is back, or a rank has ended", timeout=30,
+                       interval=0.05)
         (workdir / "stop").touch()
         for p in ranks:
             p.wait(timeout=60)
@@ -116,10 +123,12 @@ def test_the_second_cable_s_connection_heals_on_it(two_hosts: TwoHosts, tmp_path
     assert sent_after[second[0]] >= 5 * (256 << 10), f"{sent_after} bytes crossed the cables after the outage"
 
 
-def test_a_cable_down_for_good_leaves_its_connection_to_the_other(two_hosts: TwoHosts, tmp_path: Path) -> None:
+def test_a_cable_down_a_while_leaves_its_connection_to_the_other_until_it_is_back(two_hosts: TwoHosts,
+                                                                                  tmp_path: Path) -> None:
     second = two_hosts.add_cable(_SECOND_ADDRESSES)
     # No reset: the second cable's connection falls silent while the first's is heard, and is dialled again
-    # over the first once the second stays down (shoal/comm/transport/connecting.py, _FAILOVER_AFTER_S).
+    # over the first once the second stays down (shoal/comm/transport/connecting.py, _FAILOVER_AFTER_S); once
+    # the second is back, the connection moves back to it (`_run_outage` waits for its bytes there).
     before, results, sent_after = _run_outage(two_hosts, tmp_path, down_s=None, reset=None, env={}, second=second)
     for rank, result in enumerate(results):
         assert result["outcome"] == "stopped", (rank, result)

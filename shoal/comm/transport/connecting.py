@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import socket
 import struct
 import threading
@@ -30,6 +31,7 @@ _ADOPT_WAIT_S = 5.0  # a joiner's connection, accepted, is adopted by its handsh
 # A dropped connection that cannot be made again between its own two addresses for this long (or a third of the
 # time left, if less) is tried between the pair's other addresses in turn: their network may be down for good.
 _FAILOVER_AFTER_S = 3.0
+_HOME_CHECK_MAX_S = 30.0  # the longest wait between checks that a failed-over connection's own network is back
 
 
 class Connecting:
@@ -47,7 +49,11 @@ class Connecting:
     _session: bytes
     _lock: threading.Lock
     _links: dict[tuple[int, int], PeerLink]  # (peer, stream) -> its connection
-    _dialled: dict[int, str]  # each peer we dial -> the addresses it published, joined by commas
+    _dialled: dict[int, tuple[str, int]]  # each peer we dial -> the address it published: (its hosts joined by
+    # commas, its port)
+    # (peer, stream) of each connection on another network than its own -> (when to check next whether its own
+    # is back, how long to wait after that check)
+    _homing: dict[tuple[int, int], tuple[float, float]]
     _streams: int
     _refused: dict[int, str]  # peers refused for keeping another number of connections, and why
     _links_changed: threading.Condition
@@ -71,9 +77,8 @@ class Connecting:
         """Connect to every lower rank and wait for every higher rank to connect to us."""
         deadline = time.monotonic() + timeout.total_seconds()
         for peer in range(self.rank):
-            self._dialled[peer] = addresses[peer][0]
+            self._dialled[peer] = address = (addresses[peer][0], addresses[peer][1])
             for stream in range(self._streams):
-                address = (addresses[peer][0], addresses[peer][1])
                 sock, _ = self._dial(peer, address, deadline, stream=stream)
                 self._adopt(peer, stream, sock, address[1])
         with self._lock:
@@ -96,7 +101,7 @@ class Connecting:
         listener refuses) is recorded as lost, as a peer lost later would be; TimeoutError if it is
         not reached within `timeout` (it may live: the join fails, rather than go on without it)."""
         self.check_addresses({peer: address[0]})
-        self._dialled[peer] = address[0]
+        self._dialled[peer] = address
         deadline = time.monotonic() + timeout.total_seconds()
         for stream in range(self._streams):
             try:
@@ -155,9 +160,52 @@ class Connecting:
 
     def redial(self, link: PeerLink, address: tuple[str, int], deadline: float) -> tuple[socket.socket, int]:
         """`link`'s connection dialled again: at the address it had, or at any the peer published."""
-        published = (self._dialled.get(link.rank, address[0]), address[1])
-        return self._dial(link.rank, published, deadline, stream=link.stream, received=link.received,
-                          refused_is_final=True, failover=True)
+        return self._dial(link.rank, self._dialled.get(link.rank, address), deadline, stream=link.stream,
+                          received=link.received, refused_is_final=True, failover=True)
+
+    def move_home(self, links: list[PeerLink], interval: float) -> None:
+        """For each connection we dialled that failed over to another network, check (on a thread of its own)
+        whether its own network joins us to the peer again, and move it back if so: a pair's networks each
+        carry their share of its bytes again. A connection's checks come `interval` apart at first, and twice
+        as far apart after each, up to _HOME_CHECK_MAX_S, until it is seen on its own network again."""
+        if len(self.hosts) == 1:
+            return
+        now = time.monotonic()
+        for link in links:
+            key, ours, published = (link.rank, link.stream), self.hosts[link.stream % len(self.hosts)], None
+            where = link.local_host()
+            if link.dialer and not link.ended and where is not None:
+                published = self._dialled.get(link.rank)
+            if published is None:
+                continue
+            with self._lock:
+                if where == ours:
+                    self._homing.pop(key, None)
+                    continue
+                due, wait = self._homing.get(key, (now, interval))
+                if now < due:
+                    continue
+                self._homing[key] = (math.inf, wait)  # one check at a time
+            theirs = published[0].split(",")
+            self._start(self._check_home, link, (theirs[link.stream % len(theirs)], published[1]), ours, wait,
+                        name="shoal-home")
+
+    def _check_home(self, link: PeerLink, theirs: tuple[str, int], ours: str, wait: float) -> None:
+        """Move `link` back to the network between `ours` and `theirs` if a bare connection goes through there:
+        it leaves the working connection alone, and the peer's listener takes it for a check that we live. The
+        next check is `wait` later, so that a network which takes a connection but not the link's own dial
+        (healing.py) costs the link a heal that often at most."""
+        try:
+            with socket.create_connection(theirs, timeout=_CONNECT_ATTEMPT_S, source_address=(ours, 0)):
+                back = True
+        except OSError:
+            back = False  # still down
+        with self._lock:
+            key = (link.rank, link.stream)
+            if key in self._homing:  # else seen on its own network meanwhile
+                self._homing[key] = (time.monotonic() + wait, min(2 * wait, _HOME_CHECK_MAX_S))
+        if back:
+            link.go_home(ours)
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:

@@ -75,7 +75,7 @@ class Healing:
     _owner: LinkOwner
     last_heard: float
     _sock: socket.socket
-    _dialer: bool
+    dialer: bool
     _address: tuple[str, int]
     _heal_timeout: float
     _state: threading.Lock
@@ -101,14 +101,36 @@ class Healing:
         """Give the current connection up (it `why`: nothing came on it for `silent_s`) and heal it, as if it
         had dropped. The heal has `silent_s` more than its deadline: the peer, which dials again if we do
         not, may find the silence up to that much later than we did."""
+        self._give_up(why, silent_s, lambda: time.monotonic() - self.last_heard > silent_s)  # unless heard since
+
+    def go_home(self, home: str) -> None:
+        """Give up the current connection, made from another of our addresses when the network of `home`, its
+        own, was down, for one from `home`, which is back: healed as if it had dropped, and dialled from `home`
+        first."""
+        if self._give_up("moved back to its own network", 0.0, lambda: self.local_host() not in (None, home)):
+            log.warning("connection %d to rank %d moves back to its own network, from %s", self.stream, self.rank,
+                        home)
+
+    def local_host(self) -> str | None:
+        """Our address the current connection is from; None if it is broken."""
+        try:
+            return None if self._broken else self._sock.getsockname()[0]
+        except OSError:
+            return None
+
+    def _give_up(self, why: str, grace: float, still_wanted: Callable[[], bool]) -> bool:
+        """Shut the current connection for the reader to heal, with `grace` added to the heal's deadline, unless
+        it broke or was given up since the caller looked, the transport is closing, or it is no longer
+        `still_wanted`; whether it did."""
         with self._state:
-            if self._broken or self._gone is not None or time.monotonic() - self.last_heard <= silent_s:
-                return  # healed, or heard, since the caller looked
+            if self._broken or self._gone is not None or self._owner.closed or not still_wanted():
+                return False
             self._broken = True
-            self._dropped = (why, silent_s)
+            self._dropped = (why, grace)
             current = self._sock
         log.info("connection to rank %d %s; healing", self.rank, why)
         shut(current)  # the reader, woken, heals it
+        return True
 
     def replace(self, sock: socket.socket, peer_received: int) -> None:
         """The peer dialled us again (it found the connection broken first, or so did we), maybe over another
@@ -141,7 +163,7 @@ class Healing:
         healing = events.begin()
         deadline = time.monotonic() + self._heal_timeout + grace
         try:
-            new, peer_received = (self._owner.redial(self, self._address, deadline) if self._dialer
+            new, peer_received = (self._owner.redial(self, self._address, deadline) if self.dialer
                                   else self._await_redial(deadline))
         except PeerFailure as failure:
             raise self._owner.link_lost(self.rank, failure.detail) from None

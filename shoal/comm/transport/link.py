@@ -58,7 +58,7 @@ class PeerLink(Delivery, Reading, Healing):
         self.rank, self.stream = rank, stream
         self._owner = owner
         self._sock = sock
-        self._dialer = dialer
+        self.dialer = dialer
         self._address = (sock.getpeername()[0], peer_port)
         self._heal_timeout = heal_timeout
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()

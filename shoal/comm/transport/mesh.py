@@ -55,7 +55,8 @@ class Transport(Connecting):
         self._secret, self._session = secret, session
         self._lock = threading.Lock()
         self._links: dict[tuple[int, int], PeerLink] = {}
-        self._dialled: dict[int, str] = {}
+        self._dialled: dict[int, tuple[str, int]] = {}
+        self._homing: dict[tuple[int, int], tuple[float, float]] = {}
         self._refused: dict[int, str] = {}
         self._links_changed = threading.Condition(self._lock)
         self._matcher = Matcher(rank, self.abort, streams=streams)
@@ -238,6 +239,7 @@ class Transport(Connecting):
                     peer_heard[link.rank] = max(peer_heard.get(link.rank, link.last_heard), link.last_heard)
             for link in links:
                 link.heartbeat(now, interval, self._heartbeat_timeout, peer_heard.get(link.rank, link.last_heard))
+            self.move_home(links, interval)
 
     def _tell_listeners(self, error: PeerFailure) -> None:
         for listener in self._failure_listeners:
