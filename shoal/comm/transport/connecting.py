@@ -168,18 +168,16 @@ class Connecting:
         whether its own network joins us to the peer again, and move it back if so: a pair's networks each
         carry their share of its bytes again. A connection's checks come `interval` apart at first, and twice
         as far apart after each, up to _HOME_CHECK_MAX_S, until it is seen on its own network again."""
-        if len(self.hosts) == 1:
+        if len(self.hosts) == 1 or self.closed:
             return
         now = time.monotonic()
         for link in links:
-            key, ours, published = (link.rank, link.stream), self.hosts[link.stream % len(self.hosts)], None
-            where = link.local_host()
-            if link.dialer and not link.ended and where is not None:
-                published = self._dialled.get(link.rank)
-            if published is None:
-                continue
+            key, ours = (link.rank, link.stream), self.hosts[link.stream % len(self.hosts)]
+            where, published = link.local_host(), self._dialled.get(link.rank)
+            if not link.dialer or published is None or where is None:
+                continue  # dialled by the peer, or broken: it heals on its own
             with self._lock:
-                if where == ours:
+                if where == ours or link.ended:
                     self._homing.pop(key, None)
                     continue
                 due, wait = self._homing.get(key, (now, interval))
@@ -187,12 +185,17 @@ class Connecting:
                     continue
                 self._homing[key] = (math.inf, wait)  # one check at a time
             theirs = published[0].split(",")
-            self._start(self._check_home, link, (theirs[link.stream % len(theirs)], published[1]), ours, wait,
-                        name="shoal-home")
+            try:
+                self._start(self._check_home, link, (theirs[link.stream % len(theirs)], published[1]), ours, wait,
+                            name="shoal-home")
+            except RuntimeError:  # no thread to be had: the next heartbeat tries again
+                with self._lock:
+                    self._homing[key] = (now, wait)
+                raise
 
     def _check_home(self, link: PeerLink, theirs: tuple[str, int], ours: str, wait: float) -> None:
         """Move `link` back to the network between `ours` and `theirs` if a bare connection goes through there:
-        it leaves the working connection alone, and the peer's listener takes it for a check that we live. The
+        it leaves the working connection alone, and the peer's listener takes it for a check that it lives. The
         next check is `wait` later, so that a network which takes a connection but not the link's own dial
         (healing.py) costs the link a heal that often at most."""
         try:
@@ -204,7 +207,7 @@ class Connecting:
             key = (link.rank, link.stream)
             if key in self._homing:  # else seen on its own network meanwhile
                 self._homing[key] = (time.monotonic() + wait, min(2 * wait, _HOME_CHECK_MAX_S))
-        if back:
+        if back and not self.closed:
             link.go_home(ours)
 
     def _accept_loop(self, listener: socket.socket) -> None:

@@ -72,6 +72,7 @@ class Healing:
     """The healing of `PeerLink` (link.py), which holds the state declared here and sets it up."""
 
     rank: int
+    stream: int
     _owner: LinkOwner
     last_heard: float
     _sock: socket.socket
@@ -107,9 +108,8 @@ class Healing:
         """Give up the current connection, made from another of our addresses when the network of `home`, its
         own, was down, for one from `home`, which is back: healed as if it had dropped, and dialled from `home`
         first."""
-        if self._give_up("moved back to its own network", 0.0, lambda: self.local_host() not in (None, home)):
-            log.warning("connection %d to rank %d moves back to its own network, from %s", self.stream, self.rank,
-                        home)
+        self._give_up(f"moves back to its own network (connection {self.stream}, from our {home})", 0.0,
+                      lambda: self.local_host() not in (None, home), logging.WARNING)
 
     def local_host(self) -> str | None:
         """Our address the current connection is from; None if it is broken."""
@@ -118,19 +118,18 @@ class Healing:
         except OSError:
             return None
 
-    def _give_up(self, why: str, grace: float, still_wanted: Callable[[], bool]) -> bool:
+    def _give_up(self, why: str, grace: float, still_wanted: Callable[[], bool], level: int = logging.INFO) -> None:
         """Shut the current connection for the reader to heal, with `grace` added to the heal's deadline, unless
         it broke or was given up since the caller looked, the transport is closing, or it is no longer
-        `still_wanted`; whether it did."""
+        `still_wanted`."""
         with self._state:
             if self._broken or self._gone is not None or self._owner.closed or not still_wanted():
-                return False
+                return
             self._broken = True
             self._dropped = (why, grace)
             current = self._sock
-        log.info("connection to rank %d %s; healing", self.rank, why)
+        log.log(level, "connection to rank %d %s; healing", self.rank, why)
         shut(current)  # the reader, woken, heals it
-        return True
 
     def replace(self, sock: socket.socket, peer_received: int) -> None:
         """The peer dialled us again (it found the connection broken first, or so did we), maybe over another

@@ -239,7 +239,10 @@ class Transport(Connecting):
                     peer_heard[link.rank] = max(peer_heard.get(link.rank, link.last_heard), link.last_heard)
             for link in links:
                 link.heartbeat(now, interval, self._heartbeat_timeout, peer_heard.get(link.rank, link.last_heard))
-            self.move_home(links, interval)
+            try:  # whatever goes wrong there, the heartbeats go on
+                self.move_home(links, interval)
+            except Exception:
+                log.exception("rank %d: checking whether failed-over connections can move back failed", self.rank)
 
     def _tell_listeners(self, error: PeerFailure) -> None:
         for listener in self._failure_listeners:
