@@ -3,13 +3,14 @@ gradients compressed (bf16, PowerSGD) and with DiLoCo, over slow links; torch's 
 
     shoal bench accuracy                            # links of 10 mbit, 100 mbit and 1 gbit
     shoal bench accuracy --links 100mbit --epochs 20
+    shoal bench accuracy --plot docs/accuracy.png   # test accuracy against training seconds (needs matplotlib)
 
 The hosts are tests/hosts.py's network namespaces, 2 ranks each, as in `shoal bench hosts` (root needed;
 it says why and stops where it cannot build them). Every configuration trains shoal.demo's CNN on the
 digits (Adam, lr 2e-3, 32 images per rank and step, a DistributedSampler) for the same number of epochs,
 in fresh processes of its own, and evaluates the test set every EVAL_EVERY steps. Its clock counts
 training steps only, not evaluations. A row gives the training seconds until the test accuracy first
-reaches TARGET, and the accuracy after the last epoch.
+reaches TARGET, and the accuracy after the last epoch; the plot, every evaluation's accuracy.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def _worker(rank: int, world: int, address: str, method: str, epochs: int, out: 
     model, optimizer = _model_and_optimizer(method, net)
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(train_set, batch_size=32, sampler=sampler)
-    clock, steps, reached = 0.0, 0, None
+    clock, steps, curve = 0.0, 0, []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         for images, labels in loader:
@@ -100,13 +101,52 @@ def _worker(rank: int, world: int, address: str, method: str, epochs: int, out: 
             optimizer.step()
             clock += time.perf_counter() - start
             steps += 1
-            if steps % EVAL_EVERY == 0 and reached is None and accuracy(net, test_set) >= TARGET:
-                reached = {"seconds": clock, "steps": steps}
-    result = {"reached": reached, "final": accuracy(net, test_set), "seconds": clock, "steps": steps}
+            if steps % EVAL_EVERY == 0:
+                curve.append((clock, steps, accuracy(net, test_set)))
+    reached = next(({"seconds": seconds, "steps": at} for seconds, at, acc in curve if acc >= TARGET), None)
+    result = {"reached": reached, "final": accuracy(net, test_set), "seconds": clock, "steps": steps,
+              "curve": curve}
     lib.barrier()  # every rank past its last collective (and torch's hook callbacks) before the group goes
     lib.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(result))
+
+
+# A colour per way of communicating, so that torch's method (dashed) and shoal's (solid) match.
+_COLOURS = {"fp32": "C0", "fp16": "C1", "bf16": "C1", "batched": "C8", "PowerSGD": "C2", "DiLoCo": "C3"}
+
+
+def plot(results: dict[str, dict[str, dict]], path: Path) -> None:
+    """Test accuracy against training seconds, a panel per link and a line per method; a dot where the
+    method first reaches TARGET."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
+
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 3.4 * len(results)), squeeze=False)
+    for ax, (link, by_method) in zip(axes[:, 0], results.items(), strict=True):
+        for method, r in by_method.items():
+            colour = next(c for word, c in _COLOURS.items() if word in method)
+            style = "--" if method.startswith("torch") else "-"
+            seconds, _, accuracies = zip(*r["curve"], strict=True)
+            ax.plot(seconds, accuracies, style, color=colour, linewidth=1.2, label=method)
+            if r["reached"]:
+                ax.plot(r["reached"]["seconds"], TARGET, "o", color=colour)
+        ax.axhline(TARGET, color="k", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # 0.5, 1, 2, 5 s: seconds, not powers of ten
+        ax.xaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylim(0.8, 1.0)
+        ax.set_xlabel("training seconds (log scale)")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"2 hosts x 2 ranks, {link} link; a dot where a method first reaches {TARGET:.0%}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,8 +154,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--links", nargs="+", choices=list(RATES), default=["10mbit", "100mbit", "1gbit"])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--plot", type=Path, help="save test accuracy against training seconds here (needs matplotlib)")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        try:  # before minutes of training, not after
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
     if args.worker:
         rank, world, address, method, epochs, out = args.worker
         _worker(int(rank), int(world), address, method, int(epochs), out)
@@ -128,10 +174,12 @@ def main(argv: list[str] | None = None) -> None:
           f"training seconds, {args.epochs} epochs |")
     print("|---|---|---|---|---|---|---|")
     hosts = TwoHosts.build()
+    by_link: dict[str, dict[str, dict]] = {}
     try:
         for link in args.links:
             shape_link(hosts, RATES[link], burst=BURST)
-            results = {method: run_across(hosts, 2, __file__, [method, str(args.epochs)]) for method in args.methods}
+            results = by_link[link] = {method: run_across(hosts, 2, __file__, [method, str(args.epochs)])
+                                       for method in args.methods}
             base = (results.get("shoal DDP fp32") or {}).get("reached")
             for method, r in results.items():
                 reached = r["reached"]
@@ -141,6 +189,9 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r['final']:.1%} | {r['seconds']:.2f} |", flush=True)
     finally:
         hosts.tear_down()
+    if args.plot is not None:
+        plot(by_link, args.plot)
+        print(f"plot saved to {args.plot}")
 
 
 if __name__ == "__main__":
