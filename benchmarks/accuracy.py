@@ -103,7 +103,8 @@ def _worker(rank: int, world: int, address: str, method: str, epochs: int, out: 
             steps += 1
             if steps % EVAL_EVERY == 0:
                 curve.append((clock, steps, accuracy(net, test_set)))
-    reached = next(({"seconds": seconds, "steps": at} for seconds, at, acc in curve if acc >= TARGET), None)
+    reached = next(({"seconds": seconds, "steps": step, "accuracy": acc} for seconds, step, acc in curve
+                    if acc >= TARGET), None)
     result = {"reached": reached, "final": accuracy(net, test_set), "seconds": clock, "steps": steps,
               "curve": curve}
     lib.barrier()  # every rank past its last collective (and torch's hook callbacks) before the group goes
@@ -112,34 +113,37 @@ def _worker(rank: int, world: int, address: str, method: str, epochs: int, out: 
         Path(out).write_text(json.dumps(result))
 
 
-# A colour per way of communicating, so that torch's method (dashed) and shoal's (solid) match.
-_COLOURS = {"fp32": "C0", "fp16": "C1", "bf16": "C1", "batched": "C8", "PowerSGD": "C2", "DiLoCo": "C3"}
+# A colour per way of communicating, so that torch's method (dashed, hollow dot) and shoal's (solid) pair up.
+_COLOURS = {"torch DDP fp32": "C0", "shoal DDP fp32": "C0", "torch DDP fp16": "C1", "shoal DDP bf16": "C1",
+            "torch PowerSGD": "C2", "shoal PowerSGD": "C2", "shoal batched PowerSGD": "C8", "shoal DiLoCo": "C3"}
 
 
-def plot(results: dict[str, dict[str, dict]], path: Path) -> None:
-    """Test accuracy against training seconds, a panel per link and a line per method; a dot where the
-    method first reaches TARGET."""
+def plot(by_link: dict[str, dict[str, dict]], path: Path) -> None:
+    """Test accuracy against training seconds, a panel per link and a line per method, with a dot at the
+    evaluation where the method first reaches TARGET: how soon each gets there, and how steadily it stays."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(9, 3.4 * len(results)), squeeze=False)
-    for ax, (link, by_method) in zip(axes[:, 0], results.items(), strict=True):
+    fig, axes = plt.subplots(len(by_link), 1, figsize=(9, 3.4 * len(by_link)), squeeze=False)
+    for ax, (link, by_method) in zip(axes[:, 0], by_link.items(), strict=True):
         for method, r in by_method.items():
-            colour = next(c for word, c in _COLOURS.items() if word in method)
-            style = "--" if method.startswith("torch") else "-"
+            if not r["curve"]:  # fewer steps than one evaluation's worth
+                continue
+            colour, is_torch = _COLOURS[method], method.startswith("torch")
             seconds, _, accuracies = zip(*r["curve"], strict=True)
-            ax.plot(seconds, accuracies, style, color=colour, linewidth=1.2, label=method)
+            ax.plot(seconds, accuracies, "--" if is_torch else "-", color=colour, linewidth=1.2, label=method)
             if r["reached"]:
-                ax.plot(r["reached"]["seconds"], TARGET, "o", color=colour)
+                ax.plot(r["reached"]["seconds"], r["reached"]["accuracy"], "o", color=colour,
+                        markerfacecolor="white" if is_torch else colour)
         ax.axhline(TARGET, color="k", linewidth=0.8, linestyle=":")
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # 0.5, 1, 2, 5 s: seconds, not powers of ten
         ax.xaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_ylim(0.8, 1.0)
+        ax.set_ylim(0.8, 1.0)  # the climb to TARGET and after; the first epochs' lower values would flatten it
         ax.set_xlabel("training seconds (log scale)")
         ax.set_ylabel("test accuracy")
         ax.set_title(f"2 hosts x 2 ranks, {link} link; a dot where a method first reaches {TARGET:.0%}")
