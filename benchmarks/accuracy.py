@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
 from benchmarks.hosts import PORT, RATES, run_across, shape_link
+from benchmarks.plots import pyplot, require_matplotlib
 from tests.hosts import TwoHosts, namespaces_missing
 
 TARGET = 0.95
@@ -121,10 +122,7 @@ _COLOURS = {"torch DDP fp32": "C0", "shoal DDP fp32": "C0", "torch DDP fp16": "C
 def plot(by_link: dict[str, dict[str, dict]], path: Path) -> None:
     """Test accuracy against training seconds, a panel per link and a line per method, with a dot at the
     evaluation where the method first reaches TARGET: how soon each gets there, and how steadily it stays."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
 
     fig, axes = plt.subplots(len(by_link), 1, figsize=(9, 3.4 * len(by_link)), squeeze=False)
@@ -162,10 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.plot is not None:
-        try:  # before minutes of training, not after
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
+        require_matplotlib()
     if args.worker:
         rank, world, address, method, epochs, out = args.worker
         _worker(int(rank), int(world), address, method, int(epochs), out)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
 from benchmarks._steps import train_steps
+from benchmarks.plots import pyplot, require_matplotlib
 from shoal.ports import free_port
 from tests.ranks import run_ranks
 
@@ -125,10 +126,7 @@ def table(results: dict[str, dict[str, tuple[float, float]]]) -> list[str]:
 
 
 def plot(results: dict[str, dict[str, tuple[float, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     configs = (*IN_PROCESS, *DISTRIBUTED)
     fig, axes = plt.subplots(1, len(results), figsize=(11, 4.2))
@@ -153,10 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, help="save a bar chart of samples/s here (needs matplotlib)")
     args = parser.parse_args(argv)
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
+        require_matplotlib()
     results = run(args.steps, args.rounds)
     print("\n".join(table(results)))
     if args.plot:

@@ -29,7 +29,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `tests` importable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks`, `tests` importable
+from benchmarks.plots import pyplot, require_matplotlib
 from shoal.ports import free_port
 from tests.ranks import run_ranks
 
@@ -220,10 +221,7 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (times, bubbles) = plt.subplots(1, 2, figsize=(11, 4))
     for variant, style in zip(VARIANTS, ("o-", "s--", "^-", "v--"), strict=True):
@@ -257,10 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", type=Path, help="save step time and bubble against m here (needs matplotlib)")
     args = parser.parse_args(argv)
     if args.plot is not None:
-        try:  # before minutes of measuring, not after
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise SystemExit("--plot needs matplotlib: pip install -e '.[bench]'") from None
+        require_matplotlib()
     rows = run_ranks(_worker, STAGES, free_port(), args, backend=None, timeout=None)[0]
     print("\n".join(table(rows)))
     if args.plot is not None:
